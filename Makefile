@@ -1,0 +1,30 @@
+# Two entry points: `make demo` and `make test`. Each sets up .venv on its own.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint setup clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch pinned to the CPU build (taken from local disk here); never a CUDA build.
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e ".[test,cli]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m reshard.demo
+
+test: $(STAMP)
+	$(VPY) -m ruff check src tests benchmarks
+	$(VPY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VPY) -m ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,32 @@
+"""One family of errors for every user mistake.
+
+Every class is also a built-in exception type where that fits (``ValueError`` /
+``TypeError``) so callers that already catch those keep working. Messages say
+what was expected, what came, and which tensor or parameter it concerns.
+"""
+
+from __future__ import annotations
+
+
+class ReshardError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class LayoutError(ReshardError, ValueError):
+    """A mesh, placement or layout is malformed."""
+
+
+class PlanError(ReshardError, ValueError):
+    """The two sides of a transfer cannot be matched (shapes, dtypes, names)."""
+
+
+class TensorMismatchError(ReshardError, ValueError):
+    """A tensor handed in does not match its layout (shape, dtype, device, contiguity)."""
+
+
+class FingerprintMismatchError(ReshardError, RuntimeError):
+    """The ranks of a transfer built different plans; nothing was moved."""
+
+
+class TransferError(ReshardError, RuntimeError):
+    """A transfer failed while running (peer lost, timeout, corrupted data)."""

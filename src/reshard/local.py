@@ -1,0 +1,52 @@
+"""Carry out a plan inside one process, with no communication: the reference path."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import TensorMismatchError
+from .plan import Plan
+
+__all__ = ["execute_local"]
+
+
+def _box(offset, size) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offset, size))
+
+
+def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
+    """Apply ``plan`` to source local tensors and return the destination local tensors.
+
+    For a single-tensor plan, ``src_locals`` maps rank -> tensor and so does the result;
+    for a multi-tensor plan, rank -> {name: tensor}. Destination elements that no piece
+    covers (padding of explicit layouts) are zero.
+    """
+    import torch
+
+    single = len(plan.tensors) == 1 and plan.tensors[0].name == "tensor"
+    srcs = {r: ({"tensor": v} if single else v) for r, v in src_locals.items()}
+    out: dict[int, dict[str, Any]] = {}
+    for t in plan.tensors:
+        dtype = getattr(torch, t.dst.dtype)
+        for r in t.dst.ranks:
+            out.setdefault(r, {})[t.name] = torch.zeros(t.dst.local_shape(r), dtype=dtype)
+        for tr in t.transfers():
+            src = _source(srcs, t, tr.src_rank)
+            dst = out[tr.dst_rank][t.name]
+            dst[_box(tr.dst_offset, tr.size)] = src[_box(tr.src_offset, tr.size)]
+    return {r: v["tensor"] for r, v in out.items()} if single else out
+
+
+def _source(srcs: Mapping[int, Mapping[str, Any]], t, rank: int):
+    try:
+        tensor = srcs[rank][t.name]
+    except KeyError:
+        raise TensorMismatchError(
+            f"tensor {t.name!r}: no source local tensor given for rank {rank}") from None
+    expected = t.src.local_shape(rank)
+    if tuple(tensor.shape) != expected:
+        raise TensorMismatchError(
+            f"tensor {t.name!r}: rank {rank} source local shape {list(tensor.shape)}, expected "
+            f"{list(expected)}")
+    return tensor
