@@ -1,0 +1,149 @@
+"""The conventional refit path, for comparison: gather-and-broadcast.
+
+Per bucket of tensors (packed, like the best broadcast implementations): the source
+ranks all-gather their shards, the first source rank rebuilds the full tensors and
+broadcasts them in one packed buffer to every destination rank, and each destination
+keeps its slice. Every destination receives every full tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .comm import Comm
+from .plan import Plan, TensorPlan
+from .transport import RunStats
+
+__all__ = ["GatherBroadcast"]
+
+
+def _box(offset, size) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offset, size))
+
+
+def _buckets(plan: Plan, bucket_bytes: int) -> list[list[TensorPlan]]:
+    out: list[list[TensorPlan]] = []
+    key, size = None, 0
+    for t in plan.tensors:
+        k = (t.src.ranks, t.dst.rank_set)
+        nbytes = t.src.numel * t.dst.itemsize
+        if k != key or size + nbytes > bucket_bytes:
+            out.append([])
+            key, size = k, 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+class GatherBroadcast:
+    """One rank's executor of the gather-and-broadcast baseline for one plan."""
+
+    def __init__(self, plan: Plan, comm: Comm, dtypes: Mapping[str, torch.dtype], *,
+                 bucket_bytes: int) -> None:
+        self.comm, self.rank, self.dtypes = comm, comm.rank, dtypes
+        self.buckets = _buckets(plan, bucket_bytes)
+        self.groups = []
+        for bucket in self.buckets:  # same order on every rank
+            t = bucket[0]
+            root = min(t.src.ranks)
+            gather = comm.subgroup(t.src.ranks) if len(t.src.ranks) > 1 else None
+            bcast_ranks = sorted({root} | t.dst.rank_set)
+            bcast = comm.subgroup(bcast_ranks) if len(bcast_ranks) > 1 else None
+            self.groups.append((root, gather, bcast, bcast_ranks))
+
+    def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
+        stats = RunStats()
+        device = next(iter([*src.values(), *dst.values()]), torch.empty(0)).device
+        for bucket, (root, gather, bcast, bcast_ranks) in zip(self.buckets, self.groups):
+            if self.rank not in bcast_ranks and self.rank not in bucket[0].src.rank_set:
+                continue
+            full = None
+            if self.rank in bucket[0].src.rank_set:
+                full = self._gather(bucket, src, gather, root, device, stats)
+            if bcast is not None:
+                full = self._broadcast(bucket, full, bcast, bcast_ranks.index(root), device,
+                                       stats)
+            if self.rank in bucket[0].dst.rank_set:
+                self._keep(bucket, full, dst)
+            held = sum(f.numel() * f.element_size() for f in full) if full else 0
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, held)
+            stats.rounds += 1
+        return stats
+
+    def _gather(self, bucket, src, gather: Comm | None, root: int, device, stats):
+        """All-gather the bucket's shards; the root rebuilds the full tensors."""
+        fulls = [torch.empty(t.src.shape, dtype=src[t.name].dtype, device=device)
+                 for t in bucket]
+        if gather is None:
+            locals_by_slot = {0: [src[t.name] for t in bucket]}
+        else:
+            locals_by_slot = self._all_gather(bucket, src, gather, device, stats)
+        if self.rank != root and gather is not None:
+            return None
+        for slot, tensors in locals_by_slot.items():
+            for t, full, local in zip(bucket, fulls, tensors):
+                for p in t.src.view_of_slot(slot).pieces:
+                    full[_box(p.offset, p.size)] = local[_box(p.local_offset, p.size)]
+        return fulls
+
+    def _all_gather(self, bucket, src, gather: Comm, device, stats):
+        slots = range(len(bucket[0].src.ranks))
+        sizes = [[_nbytes(t.src.view_of_slot(s).local_shape, src[t.name]) for t in bucket]
+                 for s in slots]
+        longest = max(sum(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        pos = 0
+        for t in bucket:
+            flat = src[t.name].contiguous().view(-1).view(torch.uint8)
+            mine[pos:pos + flat.numel()] = flat
+            pos += flat.numel()
+        outs = [torch.empty_like(mine) for _ in slots]
+        gather.pg.allgather([outs], [mine]).wait()
+        stats.bytes_sent += pos * (len(outs) - 1)
+        result = {}
+        for s, out in zip(slots, outs):
+            pos, tensors = 0, []
+            for t, n in zip(bucket, sizes[s]):
+                shape = t.src.view_of_slot(s).local_shape
+                tensors.append(out[pos:pos + n].view(src[t.name].dtype).view(shape))
+                pos += n
+            result[s] = tensors
+        return result
+
+    def _broadcast(self, bucket, full, bcast: Comm, root: int, device, stats):
+        nbytes = [t.src.numel * t.dst.itemsize for t in bucket]
+        buf = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+        if full is not None and bcast.rank == root:
+            pos = 0
+            for t, f, n in zip(bucket, full, nbytes):
+                buf[pos:pos + n].view(self.dtypes[t.name]).view(t.src.shape).copy_(f)
+                pos += n
+            stats.bytes_sent += buf.numel() * (bcast.size - 1)
+            stats.num_messages += 1
+        else:
+            stats.bytes_received += buf.numel()
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        bcast.pg.broadcast([buf], opts).wait()
+        out, pos = [], 0
+        for t, n in zip(bucket, nbytes):
+            out.append(buf[pos:pos + n].view(self.dtypes[t.name]).view(t.src.shape))
+            pos += n
+        return out
+
+    def _keep(self, bucket, full, dst) -> None:
+        for t, f in zip(bucket, full):
+            local = dst[t.name]
+            for p in t.dst.view(self.rank).pieces:
+                local[_box(p.local_offset, p.size)] = f[_box(p.offset, p.size)]
+
+
+def _nbytes(shape, like: torch.Tensor) -> int:
+    n = like.element_size()
+    for s in shape:
+        n *= s
+    return n

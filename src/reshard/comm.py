@@ -1,0 +1,128 @@
+"""The communicator: one process group (registered or stateless) seen through the few
+operations the executors need, all in the group's own rank numbers.
+
+Two ways in: :meth:`Comm.from_group` wraps a group of the default world (torchrun,
+``init_process_group``); :meth:`Comm.from_store` builds a stateless group over a TCP
+store, the way RL frameworks join a trainer job and an inference job that each have
+their own world. Everything above this module is identical for both.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm"]
+
+
+class Comm:
+    """A process group and its rank; ranks passed to methods are group ranks."""
+
+    def __init__(self, pg: Any, *, registered: bool, store: Any = None, backend: str = "gloo",
+                 timeout: timedelta = timedelta(minutes=5), name: str = "reshard") -> None:
+        self.pg, self.registered, self.store, self.backend = pg, registered, store, backend
+        self.rank, self.size = pg.rank(), pg.size()
+        self.timeout, self.name = timeout, name
+        self._subgroups: dict[tuple[int, ...], Comm | None] = {}
+
+    @classmethod
+    def from_group(cls, group: Any = None) -> Comm:
+        """The default world (``group=None``) or one of its subgroups."""
+        pg = group if group is not None else dist.group.WORLD
+        return cls(pg, registered=True, backend=dist.get_backend(pg))
+
+    @classmethod
+    def from_store(cls, host: str, port: int, rank: int, world_size: int, *,
+                   backend: str = "gloo", is_server: bool | None = None,
+                   timeout: timedelta = timedelta(minutes=5), device: Any = None) -> Comm:
+        """Join a stateless group of ``world_size`` ranks meeting at ``host:port``."""
+        store = dist.TCPStore(host, port, world_size,
+                              is_master=rank == 0 if is_server is None else is_server,
+                              timeout=timeout, wait_for_workers=False)
+        return cls(_new_pg(store, rank, world_size, backend, timeout, device),
+                   registered=False, store=store, backend=backend, timeout=timeout)
+
+    # -- point to point ------------------------------------------------------------------
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]]) -> list[Any]:
+        """Post every send and receive together; return the work handles."""
+        if self.registered:
+            ops = [dist.P2POp(dist.irecv, t, group=self.pg, group_peer=p) for t, p in recvs]
+            ops += [dist.P2POp(dist.isend, t, group=self.pg, group_peer=p) for t, p in sends]
+            return dist.batch_isend_irecv(ops) if ops else []
+        works = [self.pg.recv([t], p, 0) for t, p in recvs]
+        return works + [self.pg.send([t], p, 0) for t, p in sends]
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        device = _device_for(self.backend)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        self.pg.allgather([sizes], [size]).wait()
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[:data.numel()] = data.to(device)
+        outs = [torch.empty_like(padded) for _ in range(self.size)]
+        self.pg.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
+                for o, s in zip(outs, sizes)]
+
+    def barrier(self) -> None:
+        self.all_gather_object(None)
+
+    def subgroup(self, ranks: Sequence[int]) -> Comm | None:
+        """A communicator over ``ranks`` (group ranks); every rank of this group must call
+        it with the same ranks in the same order. None on ranks outside it."""
+        key = tuple(sorted(ranks))
+        if key not in self._subgroups:
+            self._subgroups[key] = self._make_subgroup(key)
+        return self._subgroups[key]
+
+    def _make_subgroup(self, ranks: tuple[int, ...]) -> Comm | None:
+        if self.registered:
+            glob = [dist.get_global_rank(self.pg, r) for r in ranks]
+            pg = dist.new_group(glob, backend=self.backend)  # every rank calls, same order
+            if self.rank not in ranks or pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
+                return None
+            return Comm(pg, registered=True, backend=self.backend)
+        if self.rank not in ranks:
+            return None
+        prefix = f"{self.name}/sub/{'-'.join(map(str, ranks))}"
+        store = dist.PrefixStore(prefix, self.store)
+        pg = _new_pg(store, ranks.index(self.rank), len(ranks), self.backend, self.timeout, None)
+        return Comm(pg, registered=False, store=store, backend=self.backend,
+                    timeout=self.timeout, name=prefix)
+
+    def close(self) -> None:
+        if not self.registered:
+            for sub in self._subgroups.values():
+                if sub is not None:
+                    sub.close()
+            self.pg.shutdown() if hasattr(self.pg, "shutdown") else None
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _new_pg(store: Any, rank: int, size: int, backend: str, timeout: timedelta,
+            device: Any) -> Any:
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unsupported backend {backend!r}; expected 'gloo' or 'nccl'")

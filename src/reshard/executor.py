@@ -1,0 +1,140 @@
+"""Carry out a plan over torch.distributed: validate on every rank, then move bytes.
+
+Every rank of the group calls :meth:`Executor.run` (ranks with nothing to move too):
+one small collective first checks that all ranks hold the same plan (fingerprint) and
+that every local tensor matches its layout; if anything is wrong, every rank raises
+the same error and no byte moves. Then each rank runs its part of the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .comm import Comm
+from .errors import FingerprintMismatchError, TensorMismatchError
+from .plan import Plan
+from .schedule import Schedule, flat_schedule
+from .transport import RankRunner, RunStats
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "METHODS", "Executor", "execute"]
+
+DEFAULT_BUDGET_BYTES = 256 << 20
+METHODS = ("reshard", "p2p", "gather_broadcast")
+
+
+class Executor:
+    """One rank's reusable executor of one plan (schedules built once, reused per call)."""
+
+    def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        if budget_bytes < 1024:
+            raise ValueError(f"budget_bytes must be at least 1024, got {budget_bytes}")
+        self.plan, self.method, self.budget_bytes = plan, method, budget_bytes
+        self.comm = comm if comm is not None else Comm.from_group()
+        self.rank = self.comm.rank
+        self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
+        self.schedule = self._build(topology)
+        self._runner = None if method == "gather_broadcast" else RankRunner(
+            self.schedule, self.comm, dtypes=self.dtypes)
+        self._baseline = None
+        if method == "gather_broadcast":
+            from .baseline import GatherBroadcast
+
+            self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
+                                             bucket_bytes=budget_bytes)
+
+    def _build(self, topology: Any) -> Schedule | None:
+        if self.method == "gather_broadcast":
+            return None
+        if self.method == "reshard" and topology is not None:
+            from .topology import domain_schedule
+
+            return domain_schedule(self.plan, topology, self.budget_bytes)
+        return flat_schedule(self.plan, self.budget_bytes)
+
+    def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
+            check: bool = True) -> RunStats:
+        """Move this rank's bytes from ``src`` (name -> local tensor) into ``dst``."""
+        if check:
+            self.check(src, dst)
+        if self._baseline is not None:
+            return self._baseline.run(src, dst)
+        assert self._runner is not None
+        return self._runner.run(src, dst)
+
+    def check(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
+        """Agree with every rank of the group on the plan and on the tensors, or raise."""
+        problem = local_problem(self.plan, self.rank, src, dst)
+        views = self.comm.all_gather_object((self.rank, self.plan.fingerprint(), problem))
+        prints = {fp for _, fp, _ in views}
+        if len(prints) > 1:
+            who = {fp: [r for r, f, _ in views if f == fp] for fp in prints}
+            raise FingerprintMismatchError(
+                f"ranks built different plans (fingerprint -> ranks: {who}); nothing was moved")
+        problems = [(r, p) for r, _, p in views if p]
+        if problems:
+            r, p = problems[0]
+            more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
+            raise TensorMismatchError(f"rank {r}: {p}{more}; nothing was moved")
+
+
+def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
+                  dst: Mapping[str, torch.Tensor]) -> str | None:
+    """The first thing wrong with this rank's tensors, as a sentence, or None."""
+    for t in plan.tensors:
+        if rank in t.src.rank_set:
+            msg = _tensor_problem(t.name, "source", src, t.src, rank)
+            if msg:
+                return msg
+        if rank in t.dst.rank_set:
+            msg = _tensor_problem(t.name, "destination", dst, t.dst, rank)
+            if msg:
+                return msg
+    return _aliasing(plan, rank, dst)
+
+
+def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], layout,
+                    rank: int) -> str | None:
+    tensor = tensors.get(name)
+    if tensor is None:
+        return f"{side} tensor {name!r} is missing"
+    if not isinstance(tensor, torch.Tensor):
+        return f"{side} tensor {name!r} is a {type(tensor).__name__}, expected a torch.Tensor"
+    expected = layout.local_shape(rank)
+    if tuple(tensor.shape) != expected:
+        return (f"{side} tensor {name!r} has local shape {list(tensor.shape)}, its layout says "
+                f"{list(expected)}")
+    if str(tensor.dtype).removeprefix("torch.") != layout.dtype:
+        return f"{side} tensor {name!r} has dtype {tensor.dtype}, its layout says {layout.dtype}"
+    return None
+
+
+def _aliasing(plan: Plan, rank: int, dst: Mapping[str, torch.Tensor]) -> str | None:
+    seen: dict[tuple[int, int], str] = {}
+    devices = set()
+    for t in plan.tensors:
+        tensor = dst.get(t.name) if rank in t.dst.rank_set else None
+        if tensor is None or tensor.numel() == 0:
+            continue
+        devices.add(tensor.device)
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            return f"destination tensors {seen[key]!r} and {t.name!r} share memory"
+        seen[key] = t.name
+    if len(devices) > 1:
+        return f"destination tensors are on several devices: {sorted(map(str, devices))}"
+    return None
+
+
+def execute(plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
+            comm: Comm | None = None, method: str = "reshard",
+            budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None) -> RunStats:
+    """One-shot: build an :class:`Executor` for this rank and run it. Plan ranks are the
+    ranks of ``comm`` (the default world when omitted)."""
+    ex = Executor(plan, comm, method=method, budget_bytes=budget_bytes, topology=topology)
+    return ex.run(src, dst)

@@ -1,0 +1,81 @@
+"""Run a function on N local processes joined in a gloo world: for tests, benchmarks and
+the demo. Every process gets ``(rank, world_size, *args)``; results come back in rank
+order; an exception on any rank is re-raised here with that rank's traceback; a rank
+that does not finish within ``timeout`` is killed, never waited on forever."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["free_port", "run_processes", "RankFailed"]
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, crashed or timed out; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, queue, env, init) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if init:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+        if init:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
+                  env: dict[str, str] | None = None, init: bool = True,
+                  start_method: str = "fork") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results."""
+    ctx = mp.get_context(start_method)
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, env or {},
+                                              init), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception:  # queue.Empty
+                failures.append(f"timed out after {timeout}s waiting for ranks "
+                                f"{sorted(set(range(world_size)) - set(results))}")
+                break
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [results[r] for r in range(world_size)]

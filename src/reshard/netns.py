@@ -1,0 +1,252 @@
+"""Emulated multi-node cluster on one machine, built from Linux network namespaces.
+
+Each emulated node is a network namespace with loopback up and one veth link
+(``eth0`` inside) whose other end sits on a Linux bridge in the root namespace.
+Both directions of every node link are rate limited with ``tc tbf`` (optionally
+with a ``netem`` delay under it), so traffic between nodes crosses a slow,
+shaped "inter-node network" while traffic inside one node stays on the fast
+local route (loopback), like NVLink vs InfiniBand.
+
+Requires root (CAP_NET_ADMIN / CAP_SYS_ADMIN) plus the ``ip`` and ``tc`` tools
+from iproute2; :func:`netns_unavailable_reason` says whether this host can do it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+__all__ = ["EmulatedCluster", "NetnsUnavailableError", "netns_unavailable_reason"]
+
+_IFNAMSIZ = 15  # longest Linux interface name
+_instances = itertools.count()  # distinguishes clusters alive at once in one process
+
+
+class NetnsUnavailableError(RuntimeError):
+    """Network namespaces, veth, bridge or tc cannot be set up on this host."""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a short command, capturing output; raise ``RuntimeError`` on failure if ``check``."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip()
+        raise RuntimeError(f"`{' '.join(argv)}` failed (rc={proc.returncode}): {msg}")
+    return proc
+
+
+def _quiet(*argv: str) -> None:
+    """Run a cleanup command, ignoring every failure (it may have nothing to remove)."""
+    with contextlib.suppress(Exception):
+        _run(*argv, check=False)
+
+
+def netns_unavailable_reason() -> str | None:
+    """Return ``None`` if an :class:`EmulatedCluster` can be built here, else why not.
+
+    Checks for root, the ``ip`` and ``tc`` tools, then really creates and deletes a
+    throwaway namespace, veth pair, bridge and ``tbf`` qdisc.
+    """
+    if os.geteuid() != 0:
+        return f"network namespaces need root (CAP_NET_ADMIN); running as uid {os.geteuid()}"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found on PATH (install iproute2)"
+    tag = f"rshprobe{os.getpid() % 10_000_000}"[:_IFNAMSIZ - 1]
+    ns, veth, br = tag + "n", tag + "v", tag + "b"
+    try:
+        _quiet("ip", "netns", "del", ns)
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", br, "type", "bridge")
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", veth, "master", br)
+        _run("tc", "qdisc", "add", "dev", veth, "root", "tbf",
+             "rate", "100mbit", "burst", "128kb", "latency", "50ms")
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return f"cannot set up network namespaces/veth/bridge/tc here: {exc}"
+    finally:
+        _quiet("ip", "link", "del", veth)
+        _quiet("ip", "link", "del", br)
+        _quiet("ip", "netns", "del", ns)
+    return None
+
+
+class EmulatedCluster:
+    """``num_nodes`` network namespaces joined by a rate-limited bridge.
+
+    Use as a context manager; everything is created on enter and removed on exit
+    (also on exceptions, and from ``atexit`` as a last resort)::
+
+        with EmulatedCluster(2, rate_mbit=400) as cluster:
+            p = cluster.popen(0, [sys.executable, "worker.py"],
+                              env={**os.environ, "GLOO_SOCKET_IFNAME": cluster.iface})
+
+    Node ``i`` has address :meth:`node_addr` on interface :attr:`iface`. Traffic
+    between processes of one node uses the local route (fast); traffic between
+    nodes crosses two shaped veth links and the bridge (``rate_mbit`` each way).
+    """
+
+    iface = "eth0"
+    """Interface name inside every namespace (use it for ``GLOO_SOCKET_IFNAME``)."""
+
+    def __init__(
+        self,
+        num_nodes: int,
+        *,
+        rate_mbit: float = 1000.0,
+        delay_ms: float = 0.0,
+        prefix: str = "rsh",
+    ) -> None:
+        if not 1 <= num_nodes <= 250:
+            raise ValueError(f"num_nodes must be in [1, 250], got {num_nodes}")
+        if rate_mbit <= 0 or delay_ms < 0:
+            raise ValueError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
+        pid = os.getpid()
+        tag = f"{prefix}{pid}{chr(ord('a') + next(_instances) % 26)}"
+        if len(tag) + max(2, len(f"v{num_nodes - 1}")) > _IFNAMSIZ:
+            raise ValueError(f"prefix {prefix!r} too long for interface names")
+        self._num_nodes = num_nodes
+        self.rate_mbit = float(rate_mbit)
+        self.delay_ms = float(delay_ms)
+        self._tag = tag
+        self._subnet = f"10.213.{pid % 256}"
+        self._bridge = f"{tag}br"
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._active = False
+
+    # -- naming ---------------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of emulated nodes."""
+        return self._num_nodes
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self._num_nodes:
+            raise IndexError(f"node {i} out of range [0, {self._num_nodes})")
+
+    def ns_name(self, i: int) -> str:
+        """Name of node ``i``'s network namespace (unique per process and instance)."""
+        self._check(i)
+        return f"{self._tag}n{i}"
+
+    def node_addr(self, i: int) -> str:
+        """IPv4 address of node ``i`` on :attr:`iface`."""
+        self._check(i)
+        return f"{self._subnet}.{i + 1}"
+
+    def _host_veth(self, i: int) -> str:
+        return f"{self._tag}v{i}"
+
+    # -- running processes ----------------------------------------------------------------
+
+    def command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed so it runs inside node ``i``'s namespace."""
+        return ["ip", "netns", "exec", self.ns_name(i), *argv]
+
+    def popen(
+        self,
+        i: int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        **kw: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside node ``i``; still-running processes are killed on exit."""
+        if not self._active:
+            raise RuntimeError("EmulatedCluster is not entered")
+        proc = subprocess.Popen(self.command(i, argv), env=None if env is None else dict(env), **kw)
+        self._procs.append(proc)
+        return proc
+
+    # -- setup / teardown -----------------------------------------------------------------
+
+    def _shape(self, prefix: Sequence[str], dev: str) -> None:
+        """Put a tbf rate limit (plus an optional netem delay) on egress of ``dev``."""
+        rate_bytes = self.rate_mbit * 1e6 / 8
+        # Burst of ~4 ms of traffic, at least 64 KiB + MTU so one GSO skb always fits.
+        burst = max(int(rate_bytes * 0.004), 66_000)
+        _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "50ms")
+        if self.delay_ms > 0:
+            _run(*prefix, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                 "netem", "delay", f"{self.delay_ms}ms")
+
+    def _setup(self) -> None:
+        _run("ip", "link", "add", self._bridge, "type", "bridge")
+        _run("ip", "link", "set", self._bridge, "up")
+        for i in range(self._num_nodes):
+            ns, hv = self.ns_name(i), self._host_veth(i)
+            in_ns = ("ip", "netns", "exec", ns)
+            _run("ip", "netns", "add", ns)
+            _run(*in_ns, "ip", "link", "set", "lo", "up")
+            _run("ip", "link", "add", hv, "type", "veth", "peer", "name", self.iface, "netns", ns)
+            _run("ip", "link", "set", hv, "master", self._bridge)
+            _run("ip", "link", "set", hv, "up")
+            _run(*in_ns, "ip", "addr", "add", f"{self.node_addr(i)}/24", "dev", self.iface)
+            _run(*in_ns, "ip", "link", "set", self.iface, "up")
+            self._shape(in_ns, self.iface)  # node -> network
+            self._shape((), hv)  # network -> node
+
+    def close(self) -> None:
+        """Kill processes started here and remove namespaces, veths and bridge (idempotent)."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+        self._procs.clear()
+        for i in range(self._num_nodes):
+            ns = self.ns_name(i)
+            # Stray descendants of our processes still living in the namespace.
+            with contextlib.suppress(Exception):
+                pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(OSError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            _quiet("ip", "link", "del", self._host_veth(i))
+            _quiet("ip", "netns", "del", ns)
+        _quiet("ip", "link", "del", self._bridge)
+        if self._active:
+            atexit.unregister(self.close)
+            self._active = False
+
+    def __enter__(self) -> EmulatedCluster:
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            raise NetnsUnavailableError(reason)
+        self.close()  # stale leftovers with our names (e.g. a reused pid)
+        self._active = True
+        atexit.register(self.close)
+        try:
+            self._setup()
+        except Exception as exc:
+            self.close()
+            hint = ""
+            if self.delay_ms > 0 and "netem" in str(exc):
+                hint = " (delay_ms > 0 needs the sch_netem kernel module)"
+            raise NetnsUnavailableError(f"emulated cluster setup failed: {exc}{hint}") from exc
+        time.sleep(0.05)  # let links come up before callers connect
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"EmulatedCluster(num_nodes={self._num_nodes}, rate_mbit={self.rate_mbit}, "
+                f"delay_ms={self.delay_ms}, tag={self._tag!r})")

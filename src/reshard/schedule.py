@@ -1,0 +1,126 @@
+"""Schedules: a plan's transfers as hops, grouped into rounds that fit a staging budget.
+
+A :class:`Hop` moves one box from a rank's source tensor (or, when forwarding inside a
+fast domain, from its already-written destination tensor) to another rank's
+destination tensor. A :class:`Schedule` is a list of rounds; inside a round every rank
+packs all hops to one peer into one message. Rounds are a pure function of the plan, so
+both ends of every pair agree on them without talking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from math import prod
+
+from .plan import Plan
+
+__all__ = ["Hop", "Schedule", "flat_schedule", "split_hop"]
+
+SOURCE, DEST = 0, 1  # where a hop reads from: the sender's source or destination tensor
+
+
+@dataclass(frozen=True)
+class Hop:
+    name: str
+    src_rank: int
+    dst_rank: int
+    src_offset: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    size: tuple[int, ...]
+    nbytes: int
+    read_from: int = SOURCE
+    after: int = -1  # a forward waits for the round that brought its data in
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass(frozen=True)
+class Schedule:
+    rounds: tuple[tuple[Hop, ...], ...]
+    method: str
+    budget_bytes: int
+
+    def hops(self, rank: int | None = None) -> Iterator[tuple[int, Hop]]:
+        """(round, hop) of every hop, or of those ``rank`` sends or receives."""
+        for k, hops in enumerate(self.rounds):
+            for h in hops:
+                if rank is None or rank in (h.src_rank, h.dst_rank):
+                    yield k, h
+
+    def bytes_by_pair(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for _, h in self.hops():
+            if not h.is_local:
+                out[h.src_rank, h.dst_rank] = out.get((h.src_rank, h.dst_rank), 0) + h.nbytes
+        return out
+
+
+def split_hop(hop: Hop, max_bytes: int) -> list[Hop]:
+    """Cut a hop into boxes of at most ``max_bytes`` (along its outermost dims)."""
+    if hop.nbytes <= max_bytes or prod(hop.size) <= 1:
+        return [hop]
+    item = hop.nbytes // prod(hop.size)
+    d = next(i for i, n in enumerate(hop.size) if n > 1)
+    per_row = item * prod(hop.size[d + 1:])
+    rows = max(1, max_bytes // per_row)
+    out: list[Hop] = []
+    for start in range(0, hop.size[d], rows):
+        n = min(rows, hop.size[d] - start)
+        size = hop.size[:d] + (n,) + hop.size[d + 1:]
+        part = replace(hop, src_offset=_bump(hop.src_offset, d, start),
+                       dst_offset=_bump(hop.dst_offset, d, start), size=size,
+                       nbytes=per_row * n)
+        out.extend(split_hop(part, max_bytes))
+    return out
+
+
+def _bump(offset: tuple[int, ...], d: int, by: int) -> tuple[int, ...]:
+    return offset[:d] + (offset[d] + by,) + offset[d + 1:]
+
+
+def pack_rounds(hops: Iterable[Hop], budget_bytes: int) -> tuple[tuple[Hop, ...], ...]:
+    """First fit: each hop goes to the earliest round (after the one it waits for) where
+    neither end's staging (bytes sent + received in that round) exceeds the budget.
+    Local copies use no staging and run in round 0 (or right after their input)."""
+    rounds: list[list[Hop]] = []
+    used: list[dict[int, int]] = []
+    first_free: dict[int, int] = {}
+    chunk = max(1, budget_bytes // 2)
+    for hop in hops:
+        for part in split_hop(hop, chunk):
+            k = _fit(part, used, first_free, budget_bytes)
+            while len(rounds) <= k:
+                rounds.append([])
+                used.append({})
+            rounds[k].append(part)
+            if not part.is_local:
+                for r in (part.src_rank, part.dst_rank):
+                    used[k][r] = used[k].get(r, 0) + part.nbytes
+    return tuple(tuple(r) for r in rounds)
+
+
+def _fit(hop: Hop, used: list[dict[int, int]], first_free: dict[int, int], budget: int) -> int:
+    k = hop.after + 1
+    if hop.is_local:
+        return k
+    ends = (hop.src_rank, hop.dst_rank)
+    k = max(k, *(first_free.get(r, 0) for r in ends))
+    while k < len(used) and any(used[k].get(r, 0) + hop.nbytes > budget for r in ends):
+        k += 1
+    for r in ends:  # rounds before k stay open for smaller hops only if not full
+        if k == first_free.get(r, 0) and k < len(used) and used[k].get(r, 0) >= budget:
+            first_free[r] = k + 1
+    return k
+
+
+def _plan_hops(plan: Plan) -> Iterator[Hop]:
+    for t in plan.transfers():
+        yield Hop(t.name, t.src_rank, t.dst_rank, t.src_offset, t.dst_offset, t.size, t.nbytes)
+
+
+def flat_schedule(plan: Plan, budget_bytes: int) -> Schedule:
+    """Every transfer straight from its chosen sender to its destination (``p2p``)."""
+    return Schedule(pack_rounds(_plan_hops(plan), budget_bytes), "p2p", budget_bytes)
