@@ -67,53 +67,67 @@ class RankRunner:
                 sends.setdefault(h.dst_rank, []).append(h)
             else:
                 recvs.setdefault(h.src_rank, []).append(h)
-        return k, local, sorted(sends.items()), sorted(recvs.items())
+        return local, _arena_layout(sends), _arena_layout(recvs)
+
+    @property
+    def staging_bytes(self) -> tuple[int, int]:
+        """(send arena, receive arena) sizes: the most any round stages."""
+        send = max((r[1][1] for r in self.rounds), default=0)
+        recv = max((r[2][1] for r in self.rounds), default=0)
+        return send, recv
+
+    def _arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staging buffers, allocated once and reused by every round and every run."""
+        key = self.device
+        if getattr(self, "_arena_key", None) != key:
+            send, recv = self.staging_bytes
+            self._send_arena = torch.empty(send, dtype=torch.uint8, device=key)
+            self._recv_arena = torch.empty(recv, dtype=torch.uint8, device=key)
+            self._arena_key = key
+        return self._send_arena, self._recv_arena
+
+    def release(self) -> None:
+        """Free the staging buffers (they are re-made on the next run)."""
+        self._arena_key = None
+        self._send_arena = self._recv_arena = None
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
         """Move this rank's bytes: read ``src`` (name -> local tensor), write ``dst``."""
         self.src, self.dst, self.stats = src, dst, RunStats()
         self.device = _device_of(src, dst)
-        for _, local, sends, recvs in self.rounds:
-            self._run_round(local, sends, recvs)
+        send_arena, recv_arena = self._arenas()
+        self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
+        for local, sends, recvs in self.rounds:
+            self._run_round(local, sends[0], recvs[0], send_arena, recv_arena)
+            self.stats.rounds += 1
         return self.stats
 
-    def _run_round(self, local, sends, recvs) -> None:
-        posted_recvs, posted_sends, unpack, staging = [], [], [], 0
-        for peer, hops in recvs:
-            offsets, nbytes = _layout_message(hops)
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            posted_recvs.append((buf, peer))
-            unpack.append((hops, offsets, buf))
-            staging += nbytes
-            self.stats.bytes_received += sum(h.nbytes for h in hops)
-        for peer, hops in sends:
-            buf = self._pack(hops)
-            posted_sends.append((buf, peer))
-            staging += buf.numel()
+    def _run_round(self, local, sends, recvs, send_arena, recv_arena) -> None:
+        recv_works = self.comm.exchange((), [(recv_arena[a:b], peer)
+                                             for peer, a, b, _, _ in recvs])
+        send_works = []
+        for peer, a, b, hops, offsets in sends:  # pack one peer, post it, pack the next
+            buf = send_arena[a:b]
+            for h, off in zip(hops, offsets):
+                buf[off:off + h.nbytes].view(self.dtypes[h.name]).view(h.size).copy_(
+                    self._read(h))
+            send_works += self.comm.exchange([(buf, peer)], ())
             sent = sum(h.nbytes for h in hops)
             self.stats.bytes_sent += sent
             self.stats.per_peer_sent[peer] = self.stats.per_peer_sent.get(peer, 0) + sent
-        self.stats.num_messages += len(sends)
-        works = self.comm.exchange(posted_sends, posted_recvs)
+            self.stats.num_messages += 1
         for h in local:  # local copies overlap the messages in flight
             self._dst_view(h).copy_(self._read(h))
             self.stats.bytes_local += h.nbytes
-        for w in works:
-            w.wait()
-        for hops, offsets, buf in unpack:
+        for work, (_, a, _, hops, offsets) in zip(recv_works, recvs):
+            work.wait()
+            buf = recv_arena[a:]
             for h, off in zip(hops, offsets):
                 dst = self._dst_view(h)
                 dst.copy_(buf[off:off + h.nbytes].view(dst.dtype).view(h.size))
-        self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, staging)
-        self.stats.rounds += 1
-
-    def _pack(self, hops: list[Hop]) -> torch.Tensor:
-        offsets, nbytes = _layout_message(hops)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        for h, off in zip(hops, offsets):
-            dtype = self.dtypes[h.name]
-            buf[off:off + h.nbytes].view(dtype).view(h.size).copy_(self._read(h))
-        return buf
+                self.stats.bytes_received += h.nbytes
+        for work in send_works:
+            work.wait()
 
     def _read(self, h: Hop) -> torch.Tensor:
         tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
@@ -121,6 +135,17 @@ class RankRunner:
 
     def _dst_view(self, h: Hop) -> torch.Tensor:
         return self.dst[h.name][_box(h.dst_offset, h.size)]
+
+
+def _arena_layout(by_peer: dict[int, list[Hop]]):
+    """[(peer, start, stop, hops, offsets within the message)] laid end to end, and the
+    total length."""
+    out, pos = [], 0
+    for peer, hops in sorted(by_peer.items()):
+        offsets, nbytes = _layout_message(hops)
+        out.append((peer, pos, pos + nbytes, hops, offsets))
+        pos += nbytes
+    return out, pos
 
 
 def _my_rounds(schedule: Schedule, rank: int):

@@ -1,0 +1,121 @@
+"""``reshard bench``: move a synthetic transformer-shaped state between two layouts with
+every method, on local gloo processes, verify every destination bit for bit, and time it
+against the floor (a bare exchange of the same bytes between the same rank pairs)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .executor import DEFAULT_BUDGET_BYTES, METHODS, Executor
+from .launch import run_processes
+from .models import synthetic_model
+from .plan import plan as make_plan
+from .schedule import flat_schedule
+from .specs import ParallelSpec, model_layouts
+from .synthetic import fill_local, matches
+
+__all__ = ["BenchConfig", "run_bench"]
+
+
+@dataclass
+class BenchConfig:
+    src: str = "tp4"
+    dst: str = "tp2,dp2"
+    model_bytes: int = 1 << 30
+    methods: tuple[str, ...] = METHODS
+    repeats: int = 3
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    dtype: str = "float32"
+    topology: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+def build_plan(cfg: BenchConfig):
+    model = synthetic_model(cfg.model_bytes, dtype=cfg.dtype)
+    src_spec, dst_spec = ParallelSpec.parse(cfg.src), ParallelSpec.parse(cfg.dst)
+    src = model_layouts(model.tensors, src_spec, dtype=cfg.dtype)
+    dst = model_layouts(model.tensors, dst_spec, first_rank=src_spec.world_size, dtype=cfg.dtype)
+    return make_plan(src, dst), src_spec.world_size + dst_spec.world_size
+
+
+def _timed(comm_barrier, fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        comm_barrier()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
+    from .comm import Comm
+
+    plan, _ = build_plan(cfg)
+    comm = Comm.from_group()
+    src = {t.name: fill_local(t.src, rank) for t in plan.tensors if rank in t.src.rank_set}
+    result: dict[str, Any] = {"methods": {}}
+    result["floor"] = _floor(plan, comm, cfg)
+    for method in cfg.methods:
+        dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype))
+               for t in plan.tensors if rank in t.dst.rank_set}
+        ex = Executor(plan, comm, method=method, budget_bytes=cfg.budget_bytes,
+                      topology=cfg.topology if method == "reshard" else None)
+        stats = ex.run(src, dst)  # warm-up, checked
+        times = _timed(comm.barrier, lambda ex=ex, dst=dst: ex.run(src, dst, check=False),
+                       cfg.repeats)
+        ok = all(matches(t.dst, rank, dst[t.name]) for t in plan.tensors if t.name in dst)
+        result["methods"][method] = {"times": times, "sent": stats.bytes_sent, "ok": ok,
+                                     "staging": stats.peak_staging_bytes}
+        del dst
+    return result
+
+
+def _floor(plan, comm, cfg: BenchConfig) -> dict:
+    """One preallocated message per (sender, receiver) pair of the plan, posted together."""
+    pairs = flat_schedule(plan, 1 << 62).bytes_by_pair()
+    sends = [(torch.empty(n, dtype=torch.uint8), d) for (s, d), n in pairs.items()
+             if s == comm.rank]
+    recvs = [(torch.empty(n, dtype=torch.uint8), s) for (s, d), n in pairs.items()
+             if d == comm.rank]
+
+    def run():
+        for w in comm.exchange(sends, recvs):
+            w.wait()
+
+    run()
+    return {"times": _timed(comm.barrier, run, cfg.repeats),
+            "sent": sum(t.numel() for t, _ in sends)}
+
+
+def _summarise(per_rank: list[dict], cfg: BenchConfig) -> dict:
+    def refit_seconds(entries):  # a refit ends when its slowest rank ends
+        return statistics.median(max(ts) for ts in zip(*(e["times"] for e in entries)))
+
+    floor = refit_seconds([r["floor"] for r in per_rank])
+    out: dict[str, Any] = {"src": cfg.src, "dst": cfg.dst, "model_bytes": cfg.model_bytes,
+                           "floor_seconds": floor, "methods": {}}
+    for m in cfg.methods:
+        entries = [r["methods"][m] for r in per_rank]
+        secs = refit_seconds(entries)
+        sent = sum(e["sent"] for e in entries)
+        out["methods"][m] = {
+            "seconds": secs, "bytes": sent, "gbps": sent / secs / 1e9,
+            "vs_floor": secs / floor, "peak_staging_bytes": max(e["staging"] for e in entries),
+            "verified": all(e["ok"] for e in entries)}
+    gb = out["methods"].get("gather_broadcast")
+    if gb and "reshard" in out["methods"]:
+        out["speedup_vs_gather_broadcast"] = gb["seconds"] / out["methods"]["reshard"]["seconds"]
+    return out
+
+
+def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
+    """Run the benchmark on local processes and return the summary."""
+    _, world = build_plan(cfg)
+    per_rank = run_processes(_worker, world, cfg, timeout=timeout)
+    return _summarise(per_rank, cfg)

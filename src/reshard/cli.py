@@ -1,0 +1,137 @@
+"""The ``reshard`` command: ``reshard plan`` and ``reshard bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import ReshardError
+
+__all__ = ["main"]
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for row in [headers, *rows]:
+            print("  ".join(f"{c:>14}" for c in row))
+        return
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=max(Console().width, 110)).print(table)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=_bytes(args.model_bytes),
+                      methods=tuple(args.methods.split(",")), repeats=args.repeats,
+                      budget_bytes=_bytes(args.budget), dtype=args.dtype)
+    if not args.json:
+        print(f"reshard bench: {cfg.src} -> {cfg.dst}, {_human(cfg.model_bytes)} {cfg.dtype}, "
+              f"methods {','.join(cfg.methods)}, {cfg.repeats} timed refits each", flush=True)
+    result = run_bench(cfg)
+    floor = result["floor_seconds"]
+    rows = [[m, f"{r['seconds']:.3f}", _human(r["bytes"]), f"{r['gbps']:.2f}",
+             f"{r['vs_floor']:.2f}x", _human(r["peak_staging_bytes"]),
+             "yes" if r["verified"] else "NO"] for m, r in result["methods"].items()]
+    rows.append(["floor", f"{floor:.3f}", "", "", "1.00x", "", ""])
+    if not args.json:
+        _table("refit time (median; slowest rank)", ["method", "seconds", "bytes sent",
+               "GB/s", "vs floor", "peak staging", "bit-exact"], rows)
+        if "speedup_vs_gather_broadcast" in result:
+            print(f"reshard is {result['speedup_vs_gather_broadcast']:.2f}x faster than "
+                  "gather_broadcast")
+    print(json.dumps(result) if args.json else "", end="\n" if args.json else "")
+    return 0 if all(r["verified"] for r in result["methods"].values()) else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .models import preset, synthetic_model
+    from .plan import plan as make_plan
+    from .specs import ParallelSpec, model_layouts
+
+    model = (synthetic_model(_bytes(args.model_bytes), dtype=args.dtype) if args.model is None
+             else preset(args.model))
+    src_spec = ParallelSpec.parse(args.src)
+    t0 = time.perf_counter()
+    src = model_layouts(model.tensors, src_spec)
+    dst = model_layouts(model.tensors, args.dst, first_rank=src_spec.world_size)
+    p = make_plan(src, dst)
+    s = p.stats()
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": model.name, "seconds": seconds, **s.as_dict()}))
+        return 0
+    rows = [["tensors", str(s.num_tensors)], ["bytes sent", _human(s.bytes_sent)],
+            ["bytes local", _human(s.bytes_local)],
+            ["max send / rank", f"{_human(s.max_send_bytes)} (lower bound "
+                                f"{_human(s.send_lower_bound)})"],
+            ["max recv / rank", f"{_human(s.max_recv_bytes)} (lower bound "
+                                f"{_human(s.recv_lower_bound)})"],
+            ["gather+broadcast payload", _human(s.gather_broadcast_bytes)],
+            ["gather+broadcast on the wire", _human(s.gather_broadcast_wire_bytes)],
+            ["planning time", f"{seconds:.3f} s"]]
+    _table(f"plan {model.name}: {args.src} -> {args.dst}", ["", ""], rows)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reshard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time every method on local gloo processes")
+    b.add_argument("--src", required=True, help="trainer layout, e.g. tp4, fsdp4, pp2,tp2")
+    b.add_argument("--dst", required=True, help="inference layout, e.g. tp2,dp2")
+    b.add_argument("--model-bytes", default="1GiB", help="size of the synthetic state")
+    b.add_argument("--methods", default="reshard,p2p,gather_broadcast")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--budget", default="256MiB", help="staging budget per rank")
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--json", action="store_true", help="last line: one JSON object")
+    b.set_defaults(func=cmd_bench)
+    p = sub.add_parser("plan", help="print the statistics of a plan")
+    p.add_argument("--model", default=None, help="a model preset, e.g. deepseek-v3")
+    p.add_argument("--model-bytes", default="1GiB", help="synthetic model size (no --model)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--src", required=True)
+    p.add_argument("--dst", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ReshardError as e:
+        print(f"reshard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
