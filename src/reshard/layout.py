@@ -169,6 +169,15 @@ class Layout:
         return cls(tuple(dt.shape), Mesh.from_device_mesh(dt.device_mesh), dt.placements,
                    dt.dtype)
 
+    def shifted(self, offset: int) -> Layout:
+        """The same layout on ranks ``r + offset`` (a side's local ranks -> group ranks)."""
+        if self._explicit is not None:
+            return Layout.explicit(self.shape, {r + offset: v for r, v in
+                                                zip(self.ranks, self._explicit)}, self.dtype)
+        mesh = Mesh(_nest([r + offset for r in self.ranks], self.mesh.shape),
+                    self.mesh.dim_names)
+        return Layout(self.shape, mesh, self.placements, self.dtype)
+
     # -- identity ---------------------------------------------------------------------
     @cached_property
     def structure(self) -> tuple:
@@ -268,6 +277,13 @@ class Layout:
                 raise LayoutError(
                     f"placement {p} on mesh dim {axis} shards tensor dim {p.dim}, but the "
                     f"tensor of shape {list(self.shape)} has {len(self.shape)} dims")
+
+
+def _nest(flat: Sequence[int], shape: Sequence[int]) -> list:
+    out: list = list(flat)
+    for size in reversed(shape[1:]):
+        out = [out[i:i + size] for i in range(0, len(out), size)]
+    return out
 
 
 def _box(offset: Sequence[int], size: Sequence[int]) -> tuple[slice, ...]:

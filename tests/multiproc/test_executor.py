@@ -89,3 +89,42 @@ def test_bytes_match_plan():
     stats = R.plan(src, dst).stats()
     assert sum(r[0][1] for r in results) == stats.bytes_sent
     assert sum(r[0][2] for r in results) == stats.bytes_sent
+
+
+def _bad_worker(rank, world, mistake):
+    src_l = {"w": _layout((8, 4), [0, 1], [R.Shard(0)])}
+    dst_l = {"w": _layout((8, 4), [2, 3], [R.Shard(1)])}
+    plan = R.plan(src_l, dst_l)
+    full = _globals(src_l, 0)["w"]
+    src = {"w": src_l["w"].shard(full, rank)} if rank < 2 else {}
+    dst = {"w": torch.full((8, 2), -1.0)} if rank >= 2 else {}
+    if rank == 3:
+        if mistake == "shape":
+            dst["w"] = torch.zeros(8, 3)
+        elif mistake == "dtype":
+            dst["w"] = torch.zeros(8, 2, dtype=torch.float64)
+        elif mistake == "missing":
+            del dst["w"]
+    before = {k: v.clone() for k, v in dst.items()}
+    try:
+        Executor(plan).run(src, dst)
+    except R.ReshardError as e:
+        untouched = all(torch.equal(before[k], dst[k]) for k in before)
+        return type(e).__name__, str(e), untouched
+    return None, "", True
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("shape", r"rank 3: destination tensor 'w' has local shape \[8, 3\], its layout says "
+              r"\[8, 2\]; nothing was moved"),
+    ("dtype", r"rank 3: destination tensor 'w' has dtype torch.float64, its layout says float32"),
+    ("missing", r"rank 3: destination tensor 'w' is missing"),
+])
+def test_bad_tensors_refused_on_every_rank(mistake, message):
+    import re
+
+    results = run_processes(_bad_worker, 4, mistake, timeout=60)
+    for name, text, untouched in results:
+        assert name == "TensorMismatchError"
+        assert re.search(message, text), text
+        assert untouched
