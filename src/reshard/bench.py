@@ -32,6 +32,10 @@ class BenchConfig:
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     dtype: str = "float32"
     topology: Any = None
+    nodes: int = 0
+    """Run on this many emulated nodes (network namespaces, root only); 0: plain local."""
+    link_mbit: float = 500.0
+    """Rate of each emulated node's link (loopback inside a node is ~10x faster)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -114,8 +118,40 @@ def _summarise(per_rank: list[dict], cfg: BenchConfig) -> dict:
     return out
 
 
+def node_of_rank(cfg: BenchConfig) -> dict[int, int]:
+    """Trainer ranks fill the first half of the nodes, inference ranks the rest."""
+    n_src, n_dst = ParallelSpec.parse(cfg.src).world_size, ParallelSpec.parse(cfg.dst).world_size
+    src_nodes = max(1, cfg.nodes // 2)
+    dst_nodes = max(1, cfg.nodes - src_nodes)
+    out = {r: r * src_nodes // n_src for r in range(n_src)}
+    out.update({n_src + r: src_nodes + r * dst_nodes // n_dst for r in range(n_dst)})
+    return out
+
+
 def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
     """Run the benchmark on local processes and return the summary."""
     _, world = build_plan(cfg)
-    per_rank = run_processes(_worker, world, cfg, timeout=timeout)
-    return _summarise(per_rank, cfg)
+    if cfg.nodes <= 0:
+        per_rank = run_processes(_worker, world, cfg, timeout=timeout)
+        return _summarise(per_rank, cfg)
+    from functools import partial
+
+    from .netns import EmulatedCluster
+
+    nodes = node_of_rank(cfg)
+    with EmulatedCluster(cfg.nodes, rate_mbit=cfg.link_mbit) as cluster:
+        names = {r: cluster.ns_name(n) for r, n in nodes.items()}
+        per_rank = run_processes(_worker, world, cfg, timeout=timeout,
+                                 setup=partial(_enter, names), master_addr=cluster.node_addr(0),
+                                 env={"GLOO_SOCKET_IFNAME": cluster.iface,
+                                      "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    out = _summarise(per_rank, cfg)
+    out["nodes"], out["link_mbit"] = cfg.nodes, cfg.link_mbit
+    out["node_of_rank"] = nodes
+    return out
+
+
+def _enter(names: dict[int, str], rank: int) -> None:
+    from .netns import enter_namespace
+
+    enter_namespace(names[rank])

@@ -50,10 +50,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=_bytes(args.model_bytes),
                       methods=tuple(args.methods.split(",")), repeats=args.repeats,
-                      budget_bytes=_bytes(args.budget), dtype=args.dtype)
+                      budget_bytes=_bytes(args.budget), dtype=args.dtype, nodes=args.nodes,
+                      link_mbit=args.link_mbit)
+    if cfg.nodes:
+        from .netns import netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason:
+            print(f"reshard: error: --nodes needs emulated nodes, which are unavailable "
+                  f"here: {reason}", file=sys.stderr)
+            return 2
     if not args.json:
-        print(f"reshard bench: {cfg.src} -> {cfg.dst}, {_human(cfg.model_bytes)} {cfg.dtype}, "
-              f"methods {','.join(cfg.methods)}, {cfg.repeats} timed refits each", flush=True)
+        where = (f" on {cfg.nodes} emulated nodes ({cfg.link_mbit:g} Mbit/s links)"
+                 if cfg.nodes else " on local processes")
+        print(f"reshard bench: {cfg.src} -> {cfg.dst}, {_human(cfg.model_bytes)} {cfg.dtype}"
+              f"{where}, methods {','.join(cfg.methods)}, {cfg.repeats} timed refits each",
+              flush=True)
     result = run_bench(cfg)
     floor = result["floor_seconds"]
     rows = [[m, f"{r['seconds']:.3f}", _human(r["bytes"]), f"{r['gbps']:.2f}",
@@ -111,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--budget", default="256MiB", help="staging budget per rank")
     b.add_argument("--dtype", default="float32")
+    b.add_argument("--nodes", type=int, default=0,
+                   help="run on K emulated nodes (network namespaces + tc; needs root): "
+                        "trainer ranks on the first half, inference ranks on the rest")
+    b.add_argument("--link-mbit", type=float, default=500.0,
+                   help="each emulated node's link rate (Mbit/s)")
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
     b.set_defaults(func=cmd_bench)
     p = sub.add_parser("plan", help="print the statistics of a plan")

@@ -30,6 +30,11 @@ class Executor:
 
     def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None) -> None:
+        """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
+        fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
+        see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
+        directly) or ``gather_broadcast`` (the conventional path). ``budget_bytes`` caps
+        the staging memory a rank uses per round."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
         if budget_bytes < 1024:
@@ -51,10 +56,11 @@ class Executor:
     def _build(self, topology: Any) -> Schedule | None:
         if self.method == "gather_broadcast":
             return None
-        if self.method == "reshard" and topology is not None:
-            from .topology import domain_schedule
+        if self.method == "reshard":
+            from .topology import Topology, domain_schedule
 
-            return domain_schedule(self.plan, topology, self.budget_bytes)
+            self.topology = topology if topology is not None else Topology.detect(self.comm)
+            return domain_schedule(self.plan, self.topology, self.budget_bytes)
         return flat_schedule(self.plan, self.budget_bytes)
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,

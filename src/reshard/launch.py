@@ -26,15 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue, env, init) -> None:
+def _entry(fn, rank, world_size, port, args, queue, env, init, setup, addr) -> None:
     os.environ.update(env)
     try:
+        if setup is not None:
+            setup(rank)
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         if init:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
@@ -46,13 +48,18 @@ def _entry(fn, rank, world_size, port, args, queue, env, init) -> None:
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
                   env: dict[str, str] | None = None, init: bool = True,
-                  start_method: str = "fork") -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results."""
+                  start_method: str = "fork", setup: Callable[[int], None] | None = None,
+                  master_addr: str = "127.0.0.1") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results.
+
+    ``setup(rank)`` runs first in each process (for example to enter a network
+    namespace); the gloo world meets at ``master_addr``."""
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, env or {},
-                                              init), daemon=True) for r in range(world_size)]
+                                              init, setup, master_addr), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

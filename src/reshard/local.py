@@ -8,7 +8,7 @@ from typing import Any
 from .errors import TensorMismatchError
 from .plan import Plan
 
-__all__ = ["execute_local"]
+__all__ = ["execute_local", "execute_schedule_local"]
 
 
 def _box(offset, size) -> tuple[slice, ...]:
@@ -50,3 +50,26 @@ def _source(srcs: Mapping[int, Mapping[str, Any]], t, rank: int):
             f"tensor {t.name!r}: rank {rank} source local shape {list(tensor.shape)}, expected "
             f"{list(expected)}")
     return tensor
+
+
+def execute_schedule_local(schedule, plan: Plan, src_locals: Mapping[int, Mapping[str, Any]]
+                           ) -> dict[int, dict[str, Any]]:
+    """Run a schedule's rounds in order inside one process (multi-tensor form): the
+    reference for schedules with forwarding hops, which read destination tensors."""
+    import torch
+
+    from .schedule import DEST
+
+    out: dict[int, dict[str, Any]] = {}
+    for t in plan.tensors:
+        for r in t.dst.ranks:
+            out.setdefault(r, {})[t.name] = torch.zeros(t.dst.local_shape(r),
+                                                        dtype=getattr(torch, t.dst.dtype))
+    for hops in schedule.rounds:
+        reads = []
+        for h in hops:  # a round reads what earlier rounds wrote, never its own writes
+            side = out if h.read_from == DEST else src_locals
+            reads.append(side[h.src_rank][h.name][_box(h.src_offset, h.size)].clone())
+        for h, data in zip(hops, reads):
+            out[h.dst_rank][h.name][_box(h.dst_offset, h.size)] = data
+    return out

@@ -25,7 +25,9 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["EmulatedCluster", "NetnsUnavailableError", "netns_unavailable_reason"]
+__all__ = [
+    "EmulatedCluster", "NetnsUnavailableError", "enter_namespace", "netns_unavailable_reason",
+]
 
 _IFNAMSIZ = 15  # longest Linux interface name
 _instances = itertools.count()  # distinguishes clusters alive at once in one process
@@ -250,3 +252,15 @@ class EmulatedCluster:
     def __repr__(self) -> str:
         return (f"EmulatedCluster(num_nodes={self._num_nodes}, rate_mbit={self.rate_mbit}, "
                 f"delay_ms={self.delay_ms}, tag={self._tag!r})")
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling process into network namespace ``name`` (for forked workers)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise NetnsUnavailableError(f"setns into {name} failed: {os.strerror(err)}")

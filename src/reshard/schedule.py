@@ -81,39 +81,70 @@ def _bump(offset: tuple[int, ...], d: int, by: int) -> tuple[int, ...]:
     return offset[:d] + (offset[d] + by,) + offset[d + 1:]
 
 
-def pack_rounds(hops: Iterable[Hop], budget_bytes: int) -> tuple[tuple[Hop, ...], ...]:
-    """First fit: each hop goes to the earliest round (after the one it waits for) where
-    neither end's staging (bytes sent + received in that round) exceeds the budget.
-    Local copies use no staging and run in round 0 (or right after their input)."""
-    rounds: list[list[Hop]] = []
-    used: list[dict[int, int]] = []
-    first_free: dict[int, int] = {}
-    chunk = max(1, budget_bytes // 2)
-    for hop in hops:
-        for part in split_hop(hop, chunk):
-            k = _fit(part, used, first_free, budget_bytes)
-            while len(rounds) <= k:
-                rounds.append([])
-                used.append({})
-            rounds[k].append(part)
-            if not part.is_local:
-                for r in (part.src_rank, part.dst_rank):
-                    used[k][r] = used[k].get(r, 0) + part.nbytes
-    return tuple(tuple(r) for r in rounds)
+class RoundPacker:
+    """First fit of hops into rounds: a hop goes to the earliest round (after the one it
+    waits for) where neither end's staging (bytes sent + received in that round) would
+    exceed the budget. Hops marked ``network`` also respect a smaller per-round cap, so
+    that a round keeps room to forward what the previous round brought in: that is what
+    makes the network stage and the forwarding stage overlap."""
 
+    def __init__(self, budget_bytes: int, network_cap: int | None = None) -> None:
+        self.budget = budget_bytes
+        self.network_cap = network_cap or budget_bytes
+        self.rounds: list[list[Hop]] = []
+        self.used: list[dict[int, int]] = []
+        self.net_used: list[dict[int, int]] = []
+        self.first_free: dict[int, int] = {}
 
-def _fit(hop: Hop, used: list[dict[int, int]], first_free: dict[int, int], budget: int) -> int:
-    k = hop.after + 1
-    if hop.is_local:
+    def add(self, hop: Hop, *, network: bool = False) -> int:
+        """Place one hop (no larger than the budget); return its round."""
+        k = self._fit(hop, network)
+        while len(self.rounds) <= k:
+            self.rounds.append([])
+            self.used.append({})
+            self.net_used.append({})
+        self.rounds[k].append(hop)
+        if not hop.is_local:
+            for r in (hop.src_rank, hop.dst_rank):
+                self.used[k][r] = self.used[k].get(r, 0) + hop.nbytes
+                if network:
+                    self.net_used[k][r] = self.net_used[k].get(r, 0) + hop.nbytes
+                self._advance(r)
         return k
-    ends = (hop.src_rank, hop.dst_rank)
-    k = max(k, *(first_free.get(r, 0) for r in ends))
-    while k < len(used) and any(used[k].get(r, 0) + hop.nbytes > budget for r in ends):
-        k += 1
-    for r in ends:  # rounds before k stay open for smaller hops only if not full
-        if k == first_free.get(r, 0) and k < len(used) and used[k].get(r, 0) >= budget:
-            first_free[r] = k + 1
-    return k
+
+    def _advance(self, r: int) -> None:
+        k = self.first_free.get(r, 0)
+        while k < len(self.used) and self.used[k].get(r, 0) >= self.budget:
+            k += 1
+        self.first_free[r] = k
+
+    def _fits(self, k: int, r: int, nbytes: int, network: bool) -> bool:
+        if self.used[k].get(r, 0) + nbytes > self.budget:
+            return False
+        return not network or self.net_used[k].get(r, 0) + nbytes <= self.network_cap
+
+    def _fit(self, hop: Hop, network: bool) -> int:
+        k = hop.after + 1
+        if hop.is_local:
+            return k
+        ends = (hop.src_rank, hop.dst_rank)
+        k = max(k, *(self.first_free.get(r, 0) for r in ends))
+        while k < len(self.used) and not all(self._fits(k, r, hop.nbytes, network)
+                                             for r in ends):
+            k += 1
+        return k
+
+    def result(self) -> tuple[tuple[Hop, ...], ...]:
+        return tuple(tuple(r) for r in self.rounds)
+
+
+def pack_rounds(hops: Iterable[Hop], budget_bytes: int) -> tuple[tuple[Hop, ...], ...]:
+    """Rounds for hops that depend on nothing (the flat schedule)."""
+    packer = RoundPacker(budget_bytes)
+    for hop in hops:
+        for part in split_hop(hop, max(1, budget_bytes // 2)):
+            packer.add(part)
+    return packer.result()
 
 
 def _plan_hops(plan: Plan) -> Iterator[Hop]:

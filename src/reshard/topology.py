@@ -1,0 +1,188 @@
+"""Topology: which ranks share a fast domain (an NVLink domain, a node), and the
+domain-aware schedule that makes every needed byte cross the slow network once per
+destination domain.
+
+For each region and each destination domain that needs it: if a source rank in that
+domain holds it, it is served over the fast links; otherwise one needer in the domain
+receives it over the network (receivers chosen so the domain's ranks split the network
+receive evenly by bytes, senders chosen among source replicas so the largest per-rank
+network send is small) and forwards it to the domain's other needers over the fast
+links, from its own already-written destination tensor. Forwards wait for the round that
+brought their bytes in, so with a staging budget the forwarding of one round overlaps
+the network transfer of the next.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import LayoutError
+from .plan import Plan
+from .schedule import DEST, Hop, RoundPacker, Schedule, split_hop
+
+__all__ = ["Topology", "domain_schedule", "link_bytes", "inter_domain_lower_bound"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Rank -> fast domain, and link bandwidths (GB/s) used by the cost model."""
+
+    domains: Mapping[int, int] | None = None
+    domain_size: int | None = None
+    intra_gbps: float = 450.0
+    inter_gbps: float = 50.0
+    nic_gbps: float = 50.0
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.domains is None) == (self.domain_size is None):
+            raise LayoutError("give a Topology exactly one of domains= (rank -> domain) or "
+                              "domain_size=")
+        if self.domain_size is not None and self.domain_size < 1:
+            raise LayoutError(f"domain_size must be >= 1, got {self.domain_size}")
+
+    @classmethod
+    def uniform(cls, domain_size: int, **kw: Any) -> Topology:
+        """Consecutive blocks of ``domain_size`` ranks share a domain (8 on a DGX node)."""
+        return cls(domain_size=domain_size, **kw)
+
+    @classmethod
+    def from_env(cls, default: Topology | None = None) -> Topology | None:
+        """``RESHARD_DOMAIN_SIZE=8`` or ``RESHARD_DOMAINS=0,0,1,1`` (domain of rank i)."""
+        if os.environ.get("RESHARD_DOMAINS"):
+            ids = [int(x) for x in os.environ["RESHARD_DOMAINS"].split(",")]
+            return cls(domains=dict(enumerate(ids)))
+        if os.environ.get("RESHARD_DOMAIN_SIZE"):
+            return cls.uniform(int(os.environ["RESHARD_DOMAIN_SIZE"]))
+        return default
+
+    @classmethod
+    def detect(cls, comm: Any, key: Callable[[], str] | None = None) -> Topology:
+        """Ranks that report the same host (and network namespace) share a domain.
+        The environment variables of :meth:`from_env` override it."""
+        override = cls.from_env()
+        if override is not None:
+            return override
+        names = comm.all_gather_object((key or _host_key)())
+        ids: dict[str, int] = {}
+        return cls(domains={r: ids.setdefault(n, len(ids)) for r, n in enumerate(names)})
+
+    def domain(self, rank: int) -> int:
+        if self.domain_size is not None:
+            return rank // self.domain_size
+        try:
+            return self.domains[rank]  # type: ignore[index]
+        except KeyError:
+            raise LayoutError(f"rank {rank} has no domain in this topology") from None
+
+
+def _host_key() -> str:
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}|{netns}"
+
+
+@dataclass
+class _Loads:
+    send: dict[int, int] = field(default_factory=dict)
+    recv: dict[int, int] = field(default_factory=dict)
+
+    def pick(self, ranks: Iterable[int], table: dict[int, int], nbytes: int) -> int:
+        best = min(ranks, key=lambda r: (table.get(r, 0), r))
+        table[best] = table.get(best, 0) + nbytes
+        return best
+
+
+def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedule:
+    """The ``reshard`` schedule: network once per destination domain, then forward."""
+    loads = _Loads()
+    items = []
+    for ti, t in enumerate(plan.tensors):
+        for ui, u in enumerate(t.template.units):
+            items.append((-u.nbytes, ti, ui))
+    items.sort()
+    hops: list[tuple[Hop, list[Hop]]] = []
+    for _, ti, ui in items:
+        hops.extend(_unit_hops(plan.tensors[ti], ui, topology, loads))
+    return Schedule(_pack_with_forwards(hops, budget_bytes), "reshard", budget_bytes)
+
+
+def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, list[Hop]]]:
+    u = t.template.units[ui]
+    src_ranks, dst_ranks = t.src.ranks, t.dst.ranks
+    holders = {src_ranks[s]: off for s, off in u.holders}
+    out: list[tuple[Hop, list[Hop]]] = []
+    for k, dst_slot, dst_off in u.local:
+        r = dst_ranks[dst_slot]
+        out.append((Hop(t.name, r, r, u.holders[k][1], dst_off, u.size, u.nbytes), []))
+    by_domain: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for dst_slot, dst_off in u.remote:
+        r = dst_ranks[dst_slot]
+        by_domain.setdefault(topo.domain(r), []).append((r, dst_off))
+    for dom in sorted(by_domain):
+        needers = by_domain[dom]
+        near = [h for h in holders if topo.domain(h) == dom]
+        if near:  # co-located source: fast links only
+            for r, dst_off in needers:
+                s = loads.pick(near, loads.send, u.nbytes)
+                out.append((Hop(t.name, s, r, holders[s], dst_off, u.size, u.nbytes), []))
+            continue
+        receiver = loads.pick([r for r, _ in needers], loads.recv, u.nbytes)
+        sender = loads.pick(sorted(holders), loads.send, u.nbytes)
+        recv_off = next(off for r, off in needers if r == receiver)
+        net = Hop(t.name, sender, receiver, holders[sender], recv_off, u.size, u.nbytes)
+        forwards = [Hop(t.name, receiver, r, recv_off, dst_off, u.size, u.nbytes, DEST)
+                    for r, dst_off in needers if r != receiver]
+        out.append((net, forwards))
+    return out
+
+
+def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]],
+                        budget: int) -> tuple[tuple[Hop, ...], ...]:
+    """Place each network hop (split into chunks), then its forwards after its last
+    chunk. A round gives the network at most a third of the budget, leaving the rest to
+    forward the previous round's chunks: the two stages overlap round by round."""
+    packer = RoundPacker(budget, network_cap=max(1, budget // 3))
+    chunk = max(1, budget // 6)
+    for hop, forwards in items:
+        if hop.is_local or not forwards:
+            for part in split_hop(hop, chunk):
+                packer.add(part, network=not hop.is_local)
+            continue
+        last = max(packer.add(part, network=True) for part in split_hop(hop, chunk))
+        for fwd in forwards:
+            for part in split_hop(fwd, chunk):
+                packer.add(replace(part, after=last))
+    return packer.result()
+
+
+def link_bytes(schedule: Schedule, topology: Topology) -> dict[str, int]:
+    """Bytes per link class: ``inter`` (between domains), ``intra`` (inside a domain,
+    between ranks) and ``local`` (inside a rank)."""
+    out = {"inter": 0, "intra": 0, "local": 0}
+    for _, h in schedule.hops():
+        if h.is_local:
+            out["local"] += h.nbytes
+        elif topology.domain(h.src_rank) == topology.domain(h.dst_rank):
+            out["intra"] += h.nbytes
+        else:
+            out["inter"] += h.nbytes
+    return out
+
+
+def inter_domain_lower_bound(plan: Plan, topology: Topology) -> int:
+    """Each destination domain must receive, over the network, every byte its ranks need
+    that no source rank of that domain (nor the needing rank itself) holds."""
+    total = 0
+    for t in plan.tensors:
+        for u in t.template.units:
+            held = {topology.domain(t.src.ranks[s]) for s, _ in u.holders}
+            need = {topology.domain(t.dst.ranks[s]) for s, _ in u.remote}
+            total += u.nbytes * len(need - held)
+    return total
