@@ -92,6 +92,14 @@ class Executor:
 def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
                   dst: Mapping[str, torch.Tensor]) -> str | None:
     """The first thing wrong with this rank's tensors, as a sentence, or None."""
+    try:
+        return _first_problem(plan, rank, src, dst)
+    except Exception as e:  # reading a tensor failed: refuse on every rank, move nothing
+        return f"reading the local tensors failed: {e!r}"
+
+
+def _first_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
+                   dst: Mapping[str, torch.Tensor]) -> str | None:
     for t in plan.tensors:
         if rank in t.src.rank_set:
             msg = _tensor_problem(t.name, "source", src, t.src, rank)

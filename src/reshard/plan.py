@@ -8,8 +8,10 @@ regions first, each to the least-loaded holder), the same way on every rank.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +107,8 @@ class Plan:
 
     def stats(self) -> PlanStats:
         if self._stats is None:
-            self._stats = compute_stats(self)
+            with _gc_paused():
+                self._stats = compute_stats(self)
         return self._stats
 
     def fingerprint(self) -> str:
@@ -138,8 +141,38 @@ def plan(src: Layout | Mapping[str, Layout], dst: Layout | Mapping[str, Layout],
     elif isinstance(src, Layout) or isinstance(dst, Layout):
         raise PlanError("expected two Layouts or two name -> Layout mappings, got one of each")
     _check_names(src, dst)
+    with _gc_paused():
+        return _plan_all(src, dst, allow_cast)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning allocates many small tuples and no reference cycles; the cyclic collector
+    would repeatedly traverse everything alive (all the layouts and their views), which
+    costs more than the planning itself for large models."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_all(src: Mapping[str, Layout], dst: Mapping[str, Layout], allow_cast: bool) -> Plan:
     cache: dict[tuple, Template] = {}
-    tensors = [_plan_tensor(name, src[name], dst[name], allow_cast, cache) for name in src]
+    # Tensors sharing both Layout objects share everything the template depends on, so
+    # the checks and the template lookup run once per distinct (src, dst) pair.
+    by_pair: dict[tuple[int, int], Template] = {}
+    same_rank: dict[tuple, dict[int, int]] = {}
+    tensors = []
+    for name in src:
+        s, d = src[name], dst[name]
+        pair = (id(s), id(d))
+        template = by_pair.get(pair)
+        if template is None:
+            template = by_pair[pair] = _template_for(name, s, d, allow_cast, cache, same_rank)
+        tensors.append(TensorPlan(name, s, d, template, ()))
     return Plan(_choose_senders(tensors))
 
 
@@ -155,8 +188,9 @@ def _check_names(src: Mapping[str, Any], dst: Mapping[str, Any]) -> None:
         raise PlanError("the two sides name different tensors; " + "; ".join(parts))
 
 
-def _plan_tensor(name: str, src: Layout, dst: Layout, allow_cast: bool,
-                 cache: dict[tuple, Template]) -> TensorPlan:
+def _template_for(name: str, src: Layout, dst: Layout, allow_cast: bool,
+                  cache: dict[tuple, Template],
+                  same_rank_cache: dict[tuple, dict[int, int]]) -> Template:
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise PlanError(f"tensor {name!r}: expected Layout objects, got "
                         f"{type(src).__name__} and {type(dst).__name__}")
@@ -166,16 +200,32 @@ def _plan_tensor(name: str, src: Layout, dst: Layout, allow_cast: bool,
     if src.dtype != dst.dtype and not allow_cast:
         raise PlanError(f"tensor {name!r}: dtype mismatch, source {src.dtype} vs destination "
                         f"{dst.dtype} (pass allow_cast=True to cast while sending)")
-    same_rank = _same_rank_slots(src, dst)
+    same_rank = _same_rank_slots(src, dst, same_rank_cache)
     key = (src.structure, dst.structure, tuple(sorted(same_rank.items())))
     template = cache.get(key)
     if template is None:
         template = cache[key] = build_template(src, dst, same_rank, dst.itemsize)
-    return TensorPlan(name, src, dst, template, ())
+    return template
 
 
-def _same_rank_slots(src: Layout, dst: Layout) -> dict[int, int]:
-    """dst slot -> src slot for every rank present on both sides."""
+def _same_rank_slots(src: Layout, dst: Layout,
+                     cache: dict[tuple, dict[int, int]] | None = None) -> dict[int, int]:
+    """dst slot -> src slot for every rank present on both sides (memoised in ``cache`` by
+    the two rank tuples: by identity when meshes are shared, else by value)."""
+    if cache is None:
+        return _shared_slots(src, dst)
+    by_id = (id(src.ranks), id(dst.ranks))
+    found = cache.get(by_id)
+    if found is None:
+        by_value = (src.ranks, dst.ranks)
+        found = cache.get(by_value)
+        if found is None:
+            found = cache[by_value] = _shared_slots(src, dst)
+        cache[by_id] = found
+    return found
+
+
+def _shared_slots(src: Layout, dst: Layout) -> dict[int, int]:
     shared = src.rank_set & dst.rank_set
     return {dst._slot_of[r]: src._slot_of[r] for r in shared}
 
@@ -184,26 +234,69 @@ def _choose_senders(tensors: list[TensorPlan]) -> tuple[TensorPlan, ...]:
     """Give every remote needer of a replicated region one holder: largest regions first,
     each to the least-loaded holder (ties broken by a rotation, so replicas share)."""
     load: dict[int, int] = {}
-    for t in tensors:
-        for slot, nbytes in t.template.forced_send:
-            r = t.src.ranks[slot]
-            load[r] = load.get(r, 0) + nbytes
-    items = [(-t.template.units[u].nbytes, ti, u)
-             for ti, t in enumerate(tensors) for u in t.template.multi]
+    # forced loads: tensors with the same template and source ranks add the same amounts
+    forced: dict[tuple[int, int], list] = {}
+    items = []
+    for ti, t in enumerate(tensors):
+        tpl = t.template
+        if tpl.forced_send:
+            ranks = t.src.ranks
+            group = forced.get((id(tpl), id(ranks)))
+            if group is None:
+                forced[(id(tpl), id(ranks))] = [tpl, ranks, 1]
+            else:
+                group[2] += 1
+        if tpl.multi:
+            units = tpl.units
+            items.extend((-units[u].nbytes, ti, u) for u in tpl.multi)
+    for tpl, ranks, count in forced.values():
+        for slot, nbytes in tpl.forced_send:
+            r = ranks[slot]
+            load[r] = load.get(r, 0) + nbytes * count
     items.sort()
     picks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     for _, ti, u in items:
         t = tensors[ti]
         unit = t.template.units[u]
+        ranks = t.src.ranks
         slots = [slot for slot, _ in unit.holders]
+        holder_ranks = [ranks[slot] for slot in slots]
+        loads = [load.get(r, 0) for r in holder_ranks]
+        n, nbytes = len(slots), unit.nbytes
+        if len(set(holder_ranks)) < n:  # a rank holding the region twice (explicit layouts)
+            picks.setdefault(ti, []).append((u, _pick_slow(load, slots, holder_ranks, unit,
+                                                           ti + u)))
+            continue
         chosen = []
         for j in range(len(unit.remote)):
-            rot = (j + ti + u) % len(slots)
-            order = slots[rot:] + slots[:rot]
-            best = min(order, key=lambda s: load.get(t.src.ranks[s], 0))
-            load[t.src.ranks[best]] = load.get(t.src.ranks[best], 0) + unit.nbytes
-            chosen.append(best)
+            # the first least-loaded holder in rotation order starting at `rot`
+            rot = (j + ti + u) % n
+            least = min(loads)
+            try:
+                k = loads.index(least, rot)
+            except ValueError:
+                k = loads.index(least)
+            loads[k] += nbytes
+            chosen.append(slots[k])
+        for r, value in zip(holder_ranks, loads):
+            load[r] = value
         picks.setdefault(ti, []).append((u, tuple(chosen)))
-    return tuple(
-        TensorPlan(t.name, t.src, t.dst, t.template, tuple(sorted(picks.get(i, ()))))
-        for i, t in enumerate(tensors))
+    out = list(tensors)
+    for ti, chosen_units in picks.items():
+        t = tensors[ti]
+        out[ti] = TensorPlan(t.name, t.src, t.dst, t.template, tuple(sorted(chosen_units)))
+    return tuple(out)
+
+
+def _pick_slow(load: dict[int, int], slots: list[int], holder_ranks: list[int], unit,
+               shift: int) -> tuple[int, ...]:
+    """:func:`_choose_senders`' rule, one holder at a time (holders may repeat a rank)."""
+    rank_of = dict(zip(slots, holder_ranks))
+    chosen = []
+    for j in range(len(unit.remote)):
+        rot = (j + shift) % len(slots)
+        order = slots[rot:] + slots[:rot]
+        best = min(order, key=lambda s: load.get(rank_of[s], 0))
+        load[rank_of[best]] = load.get(rank_of[best], 0) + unit.nbytes
+        chosen.append(best)
+    return tuple(chosen)

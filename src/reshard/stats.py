@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -49,26 +49,35 @@ def compute_stats(plan: Plan) -> PlanStats:
     recv: Counter[int] = Counter()
     demand: Counter[frozenset[int]] = Counter()
     sent = local = messages = dst_bytes = model = gb_wire = 0
-    for t in plan.tensors:
+    held: dict[tuple, int] = {}  # elements held over all ranks, per layout structure
+    # Everything but the chosen senders depends only on the template and the two sides'
+    # ranks, so tensors are counted per such group (all the experts of a layer are one).
+    for t, count in _groups(plan.tensors):
         tpl = t.template
-        sent += tpl.remote_bytes
-        local += tpl.local_bytes
-        messages += tpl.num_remote
-        model += t.src.numel * t.src.itemsize
-        _add_recv(recv, t)
-        dst_bytes += _held_bytes(t.dst) * t.dst.itemsize
-        gb_wire += _gather_broadcast_wire(t)
+        src_ranks, dst_ranks = t.src.ranks, t.dst.ranks
+        sent += tpl.remote_bytes * count
+        local += tpl.local_bytes * count
+        messages += tpl.num_remote * count
+        model += t.src.numel * t.src.itemsize * count
+        for slot, nbytes in tpl.recv:
+            recv[dst_ranks[slot]] += nbytes * count
+        dst_bytes += _held_bytes(t.dst, held) * t.dst.itemsize * count
+        gb_wire += _gather_broadcast_wire(t, held) * count
         for slot, nbytes in tpl.forced_send:
-            r = t.src.ranks[slot]
-            send[r] += nbytes
-            demand[frozenset((r,))] += nbytes
-        chosen = dict(t.senders)
+            r = src_ranks[slot]
+            send[r] += nbytes * count
+            demand[frozenset((r,))] += nbytes * count
         for u in tpl.multi:
             unit = tpl.units[u]
-            for slot in chosen[u]:
-                send[t.src.ranks[slot]] += unit.nbytes
-            holders = frozenset(t.src.ranks[s] for s, _ in unit.holders)
-            demand[holders] += unit.nbytes * len(unit.remote)
+            holders = frozenset(src_ranks[s] for s, _ in unit.holders)
+            demand[holders] += unit.nbytes * len(unit.remote) * count
+    for t in plan.tensors:
+        if t.senders:
+            units, src_ranks = t.template.units, t.src.ranks
+            for u, chosen in t.senders:
+                nbytes = units[u].nbytes
+                for slot in chosen:
+                    send[src_ranks[slot]] += nbytes
     max_recv = max(recv.values(), default=0)
     return PlanStats(
         num_tensors=len(plan.tensors), num_messages=messages, bytes_sent=sent,
@@ -78,25 +87,48 @@ def compute_stats(plan: Plan) -> PlanStats:
         gather_broadcast_wire_bytes=gb_wire, model_bytes=model)
 
 
+def _groups(tensors) -> list[tuple[Any, int]]:
+    """(representative tensor plan, count) per (template, source ranks, destination ranks).
+
+    A template fixes both sides' structures (shapes, dtypes, placements), so tensors of
+    one group differ only in their names and senders. Grouping goes by object identity
+    first (shared Layout objects), then by value.
+    """
+    by_id: dict[tuple[int, int, int], list] = {}
+    by_value: dict[tuple, list] = {}
+    for t in tensors:
+        key = (id(t.template), id(t.src), id(t.dst))
+        group = by_id.get(key)
+        if group is None:
+            value_key = (id(t.template), t.src.ranks, t.dst.ranks)
+            group = by_value.get(value_key)
+            if group is None:
+                group = by_value[value_key] = [t, 0]
+            by_id[key] = group
+        group[1] += 1
+    return [(t, count) for t, count in by_value.values()]
 
 
-def _add_recv(recv: Counter[int], t) -> None:
-    for slot, nbytes in t.template.recv:
-        recv[t.dst.ranks[slot]] += nbytes
-
-
-def _held_bytes(layout) -> int:
-    """Elements held over all ranks of a layout (replicas counted), cached per structure."""
+def _held_bytes(layout, by_structure: dict[tuple, int] | None = None) -> int:
+    """Elements held over all ranks of a layout (replicas counted), cached per layout and,
+    with ``by_structure``, per structure (layouts that differ only in rank numbers)."""
     cache = layout.__dict__
     if "_held" not in cache:
-        cache["_held"] = sum(
-            sum(p.numel for p in layout.view_of_slot(s).pieces) for s in range(len(layout.ranks)))
+        key = layout.structure
+        if by_structure is not None and key in by_structure:
+            cache["_held"] = by_structure[key]
+        else:
+            cache["_held"] = sum(sum(p.numel for p in layout.view_of_slot(s).pieces)
+                                 for s in range(len(layout.ranks)))
+            if by_structure is not None:
+                by_structure[key] = cache["_held"]
     return cache["_held"]
 
 
-def _gather_broadcast_wire(t) -> int:
+def _gather_broadcast_wire(t, by_structure: dict[tuple, int] | None = None) -> int:
     size = t.src.numel * t.dst.itemsize
-    allgather = len(t.src.ranks) * size - _held_bytes(t.src) * t.dst.itemsize
+    held = _held_bytes(t.src, by_structure)
+    allgather = len(t.src.ranks) * size - held * t.dst.itemsize
     outsiders = len(t.dst.rank_set - t.src.rank_set)
     return allgather + outsiders * size
 

@@ -8,12 +8,13 @@ unpacked straight into the destination tensors. Works on any backend and device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .comm import Comm
+from .errors import TransferError
 from .schedule import DEST, Hop, Schedule
 
 _ALIGN = 16
@@ -55,6 +56,8 @@ class RankRunner:
         self.dst: Mapping[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
         self.stats = RunStats()
+        self.progress: Callable[[int, int], None] | None = None
+        self.read_error: BaseException | None = None
 
     def _split_round(self, k: int, hops: list[Hop]):
         sends: dict[int, list[Hop]] = {}
@@ -95,11 +98,24 @@ class RankRunner:
         """Move this rank's bytes: read ``src`` (name -> local tensor), write ``dst``."""
         self.src, self.dst, self.stats = src, dst, RunStats()
         self.device = _device_of(src, dst)
+        self.read_error: BaseException | None = None
         send_arena, recv_arena = self._arenas()
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
+        total = sum(h.nbytes for _, sends, _ in self.rounds for *_, hops, _ in sends[0]
+                    for h in hops)
         for local, sends, recvs in self.rounds:
-            self._run_round(local, sends[0], recvs[0], send_arena, recv_arena)
+            try:
+                self._run_round(local, sends[0], recvs[0], send_arena, recv_arena)
+            except RuntimeError as e:  # a peer died or timed out
+                raise TransferError(f"rank {self.rank}: transfer failed in round "
+                                    f"{self.stats.rounds}: {str(e).splitlines()[0]}") from e
             self.stats.rounds += 1
+            if self.progress is not None:
+                self.progress(self.stats.bytes_sent, total)
+        if self.read_error is not None:
+            raise TransferError(f"rank {self.rank}: reading a source tensor failed midway "
+                                f"({self.read_error!r}); its peers got placeholder bytes and "
+                                "this refit must be discarded") from self.read_error
         return self.stats
 
     def _run_round(self, local, sends, recvs, send_arena, recv_arena) -> None:
@@ -108,16 +124,23 @@ class RankRunner:
         send_works = []
         for peer, a, b, hops, offsets in sends:  # pack one peer, post it, pack the next
             buf = send_arena[a:b]
-            for h, off in zip(hops, offsets):
-                buf[off:off + h.nbytes].view(self.dtypes[h.name]).view(h.size).copy_(
-                    self._read(h))
+            try:
+                for h, off in zip(hops, offsets):
+                    buf[off:off + h.nbytes].view(self.dtypes[h.name]).view(h.size).copy_(
+                        self._read(h))
+            except Exception as e:  # keep the protocol whole: peers still get their bytes
+                self.read_error = self.read_error or e
+                buf.zero_()
             send_works += self.comm.exchange([(buf, peer)], ())
             sent = sum(h.nbytes for h in hops)
             self.stats.bytes_sent += sent
             self.stats.per_peer_sent[peer] = self.stats.per_peer_sent.get(peer, 0) + sent
             self.stats.num_messages += 1
         for h in local:  # local copies overlap the messages in flight
-            self._dst_view(h).copy_(self._read(h))
+            try:
+                self._dst_view(h).copy_(self._read(h))
+            except Exception as e:
+                self.read_error = self.read_error or e
             self.stats.bytes_local += h.nbytes
         for work, (_, a, _, hops, offsets) in zip(recv_works, recvs):
             work.wait()
