@@ -58,30 +58,41 @@ def _timed(comm_barrier, fn, repeats: int) -> list[float]:
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
+    """One rank: verify every method once, then time them interleaved (floor, each
+    method, floor, ...) so that load from the rest of the machine hits all alike."""
     from .comm import Comm
 
     plan, _ = build_plan(cfg)
     comm = Comm.from_group()
     src = {t.name: fill_local(t.src, rank) for t in plan.tensors if rank in t.src.rank_set}
+    dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype))
+           for t in plan.tensors if rank in t.dst.rank_set}
+    runs: dict[str, Any] = {"floor": _floor_runner(plan, comm)}
     result: dict[str, Any] = {"methods": {}}
-    result["floor"] = _floor(plan, comm, cfg)
     for method in cfg.methods:
-        dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype))
-               for t in plan.tensors if rank in t.dst.rank_set}
         ex = Executor(plan, comm, method=method, budget_bytes=cfg.budget_bytes,
                       topology=cfg.topology if method == "reshard" else None)
-        stats = ex.run(src, dst)  # warm-up, checked
-        times = _timed(comm.barrier, lambda ex=ex, dst=dst: ex.run(src, dst, check=False),
-                       cfg.repeats)
+        for tensor in dst.values():
+            tensor.zero_()
+        stats = ex.run(src, dst)  # checked run, then verified bit for bit
         ok = all(matches(t.dst, rank, dst[t.name]) for t in plan.tensors if t.name in dst)
-        result["methods"][method] = {"times": times, "sent": stats.bytes_sent, "ok": ok,
+        result["methods"][method] = {"times": [], "sent": stats.bytes_sent, "ok": ok,
                                      "staging": stats.peak_staging_bytes}
-        del dst
+        runs[method] = lambda ex=ex: ex.run(src, dst, check=False)
+    runs["floor"]()
+    floor_times: list[float] = []
+    for _ in range(cfg.repeats):
+        for name, fn in runs.items():
+            seconds = _timed(comm.barrier, fn, 1)[0]
+            (floor_times if name == "floor" else result["methods"][name]["times"]).append(
+                seconds)
+    result["floor"] = {"times": floor_times}
     return result
 
 
-def _floor(plan, comm, cfg: BenchConfig) -> dict:
-    """One preallocated message per (sender, receiver) pair of the plan, posted together."""
+def _floor_runner(plan, comm):
+    """The floor: one preallocated message per (sender, receiver) pair of the plan,
+    nothing packed, nothing planned, all posted together."""
     pairs = flat_schedule(plan, 1 << 62).bytes_by_pair()
     sends = [(torch.empty(n, dtype=torch.uint8), d) for (s, d), n in pairs.items()
              if s == comm.rank]
@@ -92,9 +103,7 @@ def _floor(plan, comm, cfg: BenchConfig) -> dict:
         for w in comm.exchange(sends, recvs):
             w.wait()
 
-    run()
-    return {"times": _timed(comm.barrier, run, cfg.repeats),
-            "sent": sum(t.numel() for t, _ in sends)}
+    return run
 
 
 def _summarise(per_rank: list[dict], cfg: BenchConfig) -> dict:

@@ -49,14 +49,17 @@ class Comm:
 
     # -- point to point ------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
-                 recvs: Sequence[tuple[torch.Tensor, int]]) -> list[Any]:
-        """Post every send and receive together; return the work handles."""
+                 recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
+        """Post every send and receive together; return the work handles (receives
+        first). Messages between two ranks match by ``tag``, then in posting order."""
         if self.registered:
-            ops = [dist.P2POp(dist.irecv, t, group=self.pg, group_peer=p) for t, p in recvs]
-            ops += [dist.P2POp(dist.isend, t, group=self.pg, group_peer=p) for t, p in sends]
+            ops = [dist.P2POp(dist.irecv, t, group=self.pg, group_peer=p, tag=tag)
+                   for t, p in recvs]
+            ops += [dist.P2POp(dist.isend, t, group=self.pg, group_peer=p, tag=tag)
+                    for t, p in sends]
             return dist.batch_isend_irecv(ops) if ops else []
-        works = [self.pg.recv([t], p, 0) for t, p in recvs]
-        return works + [self.pg.send([t], p, 0) for t, p in sends]
+        works = [self.pg.recv([t], p, tag) for t, p in recvs]
+        return works + [self.pg.send([t], p, tag) for t, p in sends]
 
     # -- collectives ---------------------------------------------------------------------
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -94,16 +94,22 @@ class RoundPacker:
         self.rounds: list[list[Hop]] = []
         self.used: list[dict[int, int]] = []
         self.net_used: list[dict[int, int]] = []
+        self.pairs: list[dict[tuple[int, int], bool]] = []
         self.first_free: dict[int, int] = {}
 
-    def add(self, hop: Hop, *, network: bool = False) -> int:
-        """Place one hop (no larger than the budget); return its round."""
-        k = self._fit(hop, network)
+    def add(self, hop: Hop, *, network: bool = False, solo: bool = False) -> int:
+        """Place one hop (no larger than the budget); return its round. A ``solo`` hop is
+        the only one between its two ranks in its round, so its message is the region
+        itself and can travel without packing when it is contiguous in memory."""
+        k = self._fit(hop, network, solo)
         while len(self.rounds) <= k:
             self.rounds.append([])
             self.used.append({})
             self.net_used.append({})
+            self.pairs.append({})
         self.rounds[k].append(hop)
+        if not hop.is_local:
+            self.pairs[k][hop.src_rank, hop.dst_rank] = solo
         if not hop.is_local:
             for r in (hop.src_rank, hop.dst_rank):
                 self.used[k][r] = self.used[k].get(r, 0) + hop.nbytes
@@ -123,14 +129,19 @@ class RoundPacker:
             return False
         return not network or self.net_used[k].get(r, 0) + nbytes <= self.network_cap
 
-    def _fit(self, hop: Hop, network: bool) -> int:
+    def _pair_free(self, k: int, hop: Hop, solo: bool) -> bool:
+        pair = self.pairs[k].get((hop.src_rank, hop.dst_rank))
+        return pair is None if solo else pair is not True
+
+    def _fit(self, hop: Hop, network: bool, solo: bool) -> int:
         k = hop.after + 1
         if hop.is_local:
             return k
         ends = (hop.src_rank, hop.dst_rank)
         k = max(k, *(self.first_free.get(r, 0) for r in ends))
-        while k < len(self.used) and not all(self._fits(k, r, hop.nbytes, network)
-                                             for r in ends):
+        while k < len(self.used) and not (
+                self._pair_free(k, hop, solo)
+                and all(self._fits(k, r, hop.nbytes, network) for r in ends)):
             k += 1
         return k
 
@@ -138,12 +149,35 @@ class RoundPacker:
         return tuple(tuple(r) for r in self.rounds)
 
 
-def pack_rounds(hops: Iterable[Hop], budget_bytes: int) -> tuple[tuple[Hop, ...], ...]:
+SOLO_MIN_BYTES = 1 << 20
+"""Regions at least this large that are contiguous in memory on one side travel alone in
+their round (no packing copy on that side); smaller ones are packed together."""
+
+
+def contiguous_box(offset: tuple[int, ...], size: tuple[int, ...],
+                   shape: tuple[int, ...]) -> bool:
+    """Whether a box of a row-major tensor of ``shape`` is one contiguous memory range."""
+    first = next((i for i, n in enumerate(size) if n != 1), len(size))
+    return all(size[i] == shape[i] for i in range(first + 1, len(size)))
+
+
+def is_solo(hop: Hop, plan: Plan) -> bool:
+    """Large, not a local copy, and contiguous at its source or its destination."""
+    if hop.is_local or hop.nbytes < SOLO_MIN_BYTES:
+        return False
+    t = plan[hop.name]
+    reader = t.dst if hop.read_from == DEST else t.src
+    return (contiguous_box(hop.src_offset, hop.size, reader.local_shape(hop.src_rank))
+            or contiguous_box(hop.dst_offset, hop.size, t.dst.local_shape(hop.dst_rank)))
+
+
+def pack_rounds(hops: Iterable[Hop], budget_bytes: int,
+                plan: Plan | None = None) -> tuple[tuple[Hop, ...], ...]:
     """Rounds for hops that depend on nothing (the flat schedule)."""
     packer = RoundPacker(budget_bytes)
     for hop in hops:
         for part in split_hop(hop, max(1, budget_bytes // 2)):
-            packer.add(part)
+            packer.add(part, solo=plan is not None and is_solo(part, plan))
     return packer.result()
 
 
@@ -154,4 +188,4 @@ def _plan_hops(plan: Plan) -> Iterator[Hop]:
 
 def flat_schedule(plan: Plan, budget_bytes: int) -> Schedule:
     """Every transfer straight from its chosen sender to its destination (``p2p``)."""
-    return Schedule(pack_rounds(_plan_hops(plan), budget_bytes), "p2p", budget_bytes)
+    return Schedule(pack_rounds(_plan_hops(plan), budget_bytes, plan), "p2p", budget_bytes)

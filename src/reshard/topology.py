@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import LayoutError
 from .plan import Plan
-from .schedule import DEST, Hop, RoundPacker, Schedule, split_hop
+from .schedule import DEST, Hop, RoundPacker, Schedule, is_solo, split_hop
 
 __all__ = ["Topology", "domain_schedule", "link_bytes", "inter_domain_lower_bound"]
 
@@ -100,7 +100,13 @@ class _Loads:
 
 
 def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedule:
-    """The ``reshard`` schedule: network once per destination domain, then forward."""
+    """The ``reshard`` schedule: network once per destination domain, then forward.
+    With every rank in one domain there is no network to save: the flat schedule."""
+    src, dst = plan.ranks()
+    if len({topology.domain(r) for r in src | dst}) <= 1:
+        from .schedule import flat_schedule
+
+        return replace(flat_schedule(plan, budget_bytes), method="reshard")
     loads = _Loads()
     items = []
     for ti, t in enumerate(plan.tensors):
@@ -110,7 +116,7 @@ def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedu
     hops: list[tuple[Hop, list[Hop]]] = []
     for _, ti, ui in items:
         hops.extend(_unit_hops(plan.tensors[ti], ui, topology, loads))
-    return Schedule(_pack_with_forwards(hops, budget_bytes), "reshard", budget_bytes)
+    return Schedule(_pack_with_forwards(hops, budget_bytes, plan), "reshard", budget_bytes)
 
 
 def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, list[Hop]]]:
@@ -143,22 +149,24 @@ def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, lis
     return out
 
 
-def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]],
-                        budget: int) -> tuple[tuple[Hop, ...], ...]:
+def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]], budget: int,
+                        plan: Plan) -> tuple[tuple[Hop, ...], ...]:
     """Place each network hop (split into chunks), then its forwards after its last
     chunk. A round gives the network at most a third of the budget, leaving the rest to
     forward the previous round's chunks: the two stages overlap round by round."""
     packer = RoundPacker(budget, network_cap=max(1, budget // 3))
     chunk = max(1, budget // 6)
     for hop, forwards in items:
-        if hop.is_local or not forwards:
-            for part in split_hop(hop, chunk):
-                packer.add(part, network=not hop.is_local)
+        if not forwards:  # a local copy, a fast-link hop, or a lone network receiver
+            for part in split_hop(hop, max(1, budget // 2)):
+                packer.add(part, solo=is_solo(part, plan))
             continue
-        last = max(packer.add(part, network=True) for part in split_hop(hop, chunk))
+        last = max(packer.add(part, network=True, solo=is_solo(part, plan))
+                   for part in split_hop(hop, chunk))
         for fwd in forwards:
             for part in split_hop(fwd, chunk):
-                packer.add(replace(part, after=last))
+                part = replace(part, after=last)
+                packer.add(part, solo=is_solo(part, plan))
     return packer.result()
 
 

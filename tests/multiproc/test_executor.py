@@ -66,6 +66,14 @@ def _cases():
     src = {"x": _layout((8, 12), [[0, 1, 2, 3], [4, 5, 6, 7]], [S(0), S(1)])}
     dst = {"x": _layout((8, 12), [[0, 1, 2, 3], [4, 5, 6, 7]], [S(1), Rp()])}
     cases.append((src, dst, 3))
+    # large regions (>= 1 MiB): contiguous ones travel alone, straight from/into tensors
+    src = {"big": _layout((2048, 512), [0, 1], [S(0)]),
+           "big_t": _layout((512, 2048), [0, 1], [S(1)]),
+           "cast": _layout((1024, 512), [0, 1], [S(0)])}
+    dst = {"big": _layout((2048, 512), [[4, 5], [6, 7]], [Rp(), S(0)]),
+           "big_t": _layout((512, 2048), [4, 5], [S(0)]),
+           "cast": _layout((1024, 512), [4, 5], [S(0)], "bfloat16")}
+    cases.append((src, dst, 4))
     return cases
 
 
