@@ -102,8 +102,11 @@ class GatherBroadcast:
         outs = [torch.empty_like(mine) for _ in slots]
         gather.pg.allgather([outs], [mine]).wait()
         stats.bytes_sent += pos * (len(outs) - 1)
+        ranks = bucket[0].src.ranks
+        order = sorted(ranks)  # the subgroup numbers its ranks in ascending order
         result = {}
-        for s, out in zip(slots, outs):
+        for s in slots:
+            out = outs[order.index(ranks[s])]
             pos, tensors = 0, []
             for t, n in zip(bucket, sizes[s]):
                 shape = t.src.view_of_slot(s).local_shape
