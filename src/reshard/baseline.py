@@ -13,14 +13,12 @@ from collections.abc import Mapping
 import torch
 
 from .comm import Comm
+from .layout import box_slices
 from .plan import Plan, TensorPlan
 from .transport import RunStats
 
 __all__ = ["GatherBroadcast"]
 
-
-def _box(offset, size) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offset, size))
 
 
 def _buckets(plan: Plan, bucket_bytes: int) -> list[list[TensorPlan]]:
@@ -85,7 +83,7 @@ class GatherBroadcast:
         for slot, tensors in locals_by_slot.items():
             for t, full, local in zip(bucket, fulls, tensors):
                 for p in t.src.view_of_slot(slot).pieces:
-                    full[_box(p.offset, p.size)] = local[_box(p.local_offset, p.size)]
+                    full[box_slices(p.offset, p.size)] = local[box_slices(p.local_offset, p.size)]
         return fulls
 
     def _all_gather(self, bucket, src, gather: Comm, device, stats):
@@ -142,7 +140,7 @@ class GatherBroadcast:
         for t, f in zip(bucket, full):
             local = dst[t.name]
             for p in t.dst.view(self.rank).pieces:
-                local[_box(p.local_offset, p.size)] = f[_box(p.offset, p.size)]
+                local[box_slices(p.local_offset, p.size)] = f[box_slices(p.offset, p.size)]
 
 
 def _nbytes(shape, like: torch.Tensor) -> int:

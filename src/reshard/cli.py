@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -46,6 +47,8 @@ def _table(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.nodes:  # c10d warns once per rank that a namespace has no hostname entry
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from .bench import BenchConfig, run_bench
 
     cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=_bytes(args.model_bytes),
@@ -138,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dst", required=True)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+    from .simulate import register as register_simulate
+    register_simulate(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ from .errors import LayoutError, TensorMismatchError
 from .mesh import Mesh
 from .placement import Placement, Replicate, Shard, StridedShard, as_placement, chunk_bounds
 
-__all__ = ["Layout", "LocalView", "Piece", "dtype_name", "dtype_itemsize"]
+__all__ = ["Layout", "LocalView", "Piece", "box_slices", "dtype_itemsize", "dtype_name"]
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -254,7 +254,8 @@ class Layout:
         view = self.view(rank)
         local = full.new_zeros(view.local_shape)
         for piece in view.pieces:
-            local[_box(piece.local_offset, piece.size)] = full[_box(piece.offset, piece.size)]
+            local[box_slices(piece.local_offset, piece.size)] = full[
+                box_slices(piece.offset, piece.size)]
         return local
 
     def _placed_view(self, slot: int) -> LocalView:
@@ -286,7 +287,8 @@ def _nest(flat: Sequence[int], shape: Sequence[int]) -> list:
     return out
 
 
-def _box(offset: Sequence[int], size: Sequence[int]) -> tuple[slice, ...]:
+def box_slices(offset: Sequence[int], size: Sequence[int]) -> tuple[slice, ...]:
+    """Index of the box ``[offset, offset + size)`` of a tensor."""
     return tuple(slice(o, o + s) for o, s in zip(offset, size))
 
 

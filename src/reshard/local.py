@@ -6,13 +6,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import TensorMismatchError
+from .layout import box_slices
 from .plan import Plan
 
 __all__ = ["execute_local", "execute_schedule_local"]
 
-
-def _box(offset, size) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offset, size))
 
 
 def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
@@ -34,7 +32,7 @@ def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
         for tr in t.transfers():
             src = _source(srcs, t, tr.src_rank)
             dst = out[tr.dst_rank][t.name]
-            dst[_box(tr.dst_offset, tr.size)] = src[_box(tr.src_offset, tr.size)]
+            dst[box_slices(tr.dst_offset, tr.size)] = src[box_slices(tr.src_offset, tr.size)]
     return {r: v["tensor"] for r, v in out.items()} if single else out
 
 
@@ -69,7 +67,7 @@ def execute_schedule_local(schedule, plan: Plan, src_locals: Mapping[int, Mappin
         reads = []
         for h in hops:  # a round reads what earlier rounds wrote, never its own writes
             side = out if h.read_from == DEST else src_locals
-            reads.append(side[h.src_rank][h.name][_box(h.src_offset, h.size)].clone())
+            reads.append(side[h.src_rank][h.name][box_slices(h.src_offset, h.size)].clone())
         for h, data in zip(hops, reads):
-            out[h.dst_rank][h.name][_box(h.dst_offset, h.size)] = data
+            out[h.dst_rank][h.name][box_slices(h.dst_offset, h.size)] = data
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, box_slices
 
 
 def _values(offset, size, shape, salt: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def fill_local(layout: Layout, rank: int, salt: int = 0, dtype=None) -> torch.Te
     dtype = dtype or getattr(torch, layout.dtype)
     out = torch.zeros(view.local_shape, dtype=dtype)
     for p in view.pieces:
-        box = tuple(slice(o, o + s) for o, s in zip(p.local_offset, p.size))
+        box = box_slices(p.local_offset, p.size)
         out[box] = _values(p.offset, p.size, layout.shape, salt).to(dtype)
     return out
 
@@ -37,7 +37,7 @@ def matches(layout: Layout, rank: int, tensor: torch.Tensor, salt: int = 0) -> b
     """Whether ``tensor`` holds exactly this rank's share of the synthetic tensor."""
     view = layout.view(rank)
     for p in view.pieces:
-        box = tuple(slice(o, o + s) for o, s in zip(p.local_offset, p.size))
+        box = box_slices(p.local_offset, p.size)
         if not torch.equal(tensor[box], _values(p.offset, p.size, layout.shape, salt)
                            .to(tensor.dtype)):
             return False

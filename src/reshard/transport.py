@@ -16,6 +16,7 @@ import torch
 
 from .comm import Comm
 from .errors import TransferError
+from .layout import box_slices
 from .schedule import DEST, Hop, Schedule
 
 _ALIGN = 16
@@ -31,9 +32,6 @@ class RunStats:
     rounds: int = 0
     per_peer_sent: dict[int, int] = field(default_factory=dict)
 
-
-def _box(offset, size) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offset, size))
 
 
 def _layout_message(hops: list[Hop]) -> tuple[list[int], int]:
@@ -220,10 +218,10 @@ class RankRunner:
 
     def _read(self, h: Hop) -> torch.Tensor:
         tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
-        return tensor[_box(h.src_offset, h.size)]
+        return tensor[box_slices(h.src_offset, h.size)]
 
     def _dst_view(self, h: Hop) -> torch.Tensor:
-        return self.dst[h.name][_box(h.dst_offset, h.size)]
+        return self.dst[h.name][box_slices(h.dst_offset, h.size)]
 
 
 def _arena_layout(by_peer: dict[int, list[Hop]]):
