@@ -157,7 +157,20 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
     out = _summarise(per_rank, cfg)
     out["nodes"], out["link_mbit"] = cfg.nodes, cfg.link_mbit
     out["node_of_rank"] = nodes
+    out["link_bytes"] = link_classes(cfg, nodes)
     return out
+
+
+def link_classes(cfg: BenchConfig, nodes: dict[int, int]) -> dict:
+    """Bytes per link class of the reshard and p2p schedules on these nodes, and the
+    inter-node lower bound (each node receives each byte it needs once)."""
+    from .topology import Topology, domain_schedule, inter_domain_lower_bound, link_bytes
+
+    plan, _ = build_plan(cfg)
+    topo = Topology(domains=nodes)
+    return {"reshard": link_bytes(domain_schedule(plan, topo, cfg.budget_bytes), topo),
+            "p2p": link_bytes(flat_schedule(plan, cfg.budget_bytes), topo),
+            "inter_lower_bound": inter_domain_lower_bound(plan, topo)}
 
 
 def _enter(names: dict[int, str], rank: int) -> None:

@@ -78,6 +78,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.json:
         _table("refit time (median; slowest rank)", ["method", "seconds", "bytes sent",
                "GB/s", "vs floor", "peak staging", "bit-exact"], rows)
+        if "link_bytes" in result:
+            lb = result["link_bytes"]
+            print(f"inter-node bytes: reshard {_human(lb['reshard']['inter'])} (lower bound "
+                  f"{_human(lb['inter_lower_bound'])}), p2p {_human(lb['p2p']['inter'])}; "
+                  f"intra-node forwarding: reshard {_human(lb['reshard']['intra'])}")
         if "speedup_vs_gather_broadcast" in result:
             print(f"reshard is {result['speedup_vs_gather_broadcast']:.2f}x faster than "
                   "gather_broadcast")
