@@ -1,0 +1,622 @@
+"""The cost model: predicted refit time of a plan on a cluster for ``gather_broadcast``,
+``p2p`` and ``reshard``, with the bottleneck link and a lower bound.
+
+Everything is computed from per-rank, per-link-class byte loads (NIC out / in per NIC,
+fast links out / in per rank), derived from plan templates once per group of tensors
+that share a template and both sides' ranks (all the experts of a layer form one group),
+never by enumerating hops: a DeepSeek-V3 plan has millions of hops but a few thousand
+groups. Assumptions, stated once:
+
+* Links are full duplex; a rank's fast links and its NIC work concurrently; a stage lasts
+  as long as its most loaded link, bytes / bandwidth, plus a latency per round.
+* ``p2p``: every transfer of the plan (its chosen senders) goes straight from sender to
+  receiver: over the fast links inside a domain, else out of the sender's NIC and into
+  the receiver's NIC.
+* ``reshard``: per region and destination domain, a co-located holder serves the domain
+  over the fast links; otherwise the region crosses the network once, into one needer
+  of the domain (needers split the receive evenly by bytes, holders split the send), and
+  that needer forwards it to the domain's other needers over the fast links. The two
+  stages are pipelined in chunks: time = max(network, forward) + one chunk through the
+  faster stage. This is :func:`reshard.topology.domain_schedule` in aggregate.
+* ``gather_broadcast``: the buckets of :mod:`reshard.baseline`, one after another per
+  rank: all-gather of the bucket among its source ranks (ring), then a broadcast from
+  the first source rank to every destination rank. With NCCL the broadcast is a
+  pipelined ring: each byte crosses each ring link once, so it takes bytes / (slowest
+  ring link), where a link between domains gets one channel per NIC the ring has on both
+  sides (a lone root has one NIC). With gloo it is gloo's binomial tree, store and
+  forward, simulated as fluid flows sharing NICs.
+* The lower bound: every byte a destination domain needs and holds nowhere must enter it
+  through its NICs; every byte held in one domain only and needed elsewhere must leave
+  through that domain's NICs; every rank must receive what it lacks through its fast
+  links plus its NIC. Latencies are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import ceil
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .cluster import Cluster, RankMap, get_cluster
+from .plan import _gc_paused
+from .stats import _groups
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "METHODS", "LinkLoads", "Prediction", "Simulation",
+           "simulate"]
+
+METHODS = ("gather_broadcast", "p2p", "reshard")
+DEFAULT_BUDGET_BYTES = 256 << 20  # the executor's default staging budget (no torch here)
+
+
+@dataclass(frozen=True)
+class LinkLoads:
+    """Bytes per link class: NIC out / in per NIC, fast links out / in per rank."""
+
+    nic_out: np.ndarray
+    nic_in: np.ndarray
+    intra_out: np.ndarray
+    intra_in: np.ndarray
+
+    @property
+    def network_bytes(self) -> float:
+        return float(self.nic_in.sum())
+
+    @property
+    def intra_bytes(self) -> float:
+        return float(self.intra_in.sum())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One method's predicted refit time and what limits it."""
+
+    method: str
+    seconds: float
+    bottleneck: str
+    """The slowest link, in words (link class and rank)."""
+    link: str
+    """Its class: nic_out, nic_in, intra_out, intra_in, intra_shared, or a collective's."""
+    rank: int | None
+    lower_bound_s: float
+    stages: dict[str, float] = field(default_factory=dict)
+    loads: LinkLoads | None = field(default=None, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("method", "seconds", "bottleneck", "link", "rank",
+                                             "lower_bound_s", "stages")}
+        if self.loads is not None:
+            out["network_bytes"] = self.loads.network_bytes
+            out["intra_bytes"] = self.loads.intra_bytes
+        return out
+
+
+@dataclass(frozen=True)
+class Simulation:
+    cluster: Cluster
+    ranks: RankMap
+    predictions: dict[str, Prediction]
+    lower_bound_s: float
+    lower_bound: str
+    network_bytes: int
+    """Bytes that must cross the network (the inter-domain lower bound, in bytes)."""
+    pairs: tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False, compare=False)
+    """(source rank, destination rank, bytes) of every rank pair of the plan."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.name, "lower_bound_s": self.lower_bound_s,
+                "lower_bound": self.lower_bound, "network_bytes": self.network_bytes,
+                "predictions": {m: p.as_dict() for m, p in self.predictions.items()}}
+
+
+def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None,
+             budget_bytes: int = DEFAULT_BUDGET_BYTES,
+             methods: Sequence[str] = METHODS) -> Simulation:
+    """Predict the refit time of ``plan`` on ``cluster`` for each of ``methods``.
+
+    ``ranks`` places the plan's ranks (default: ``cluster.place`` of its two sides);
+    ``budget_bytes`` is the executor's staging budget (rounds and pipeline chunks)."""
+    cluster = get_cluster(cluster)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; expected some of {METHODS}")
+    src_ranks, dst_ranks = plan.ranks()
+    if ranks is None:
+        ranks = cluster.place(src_ranks, dst_ranks)
+    unplaced = sorted(r for r in src_ranks | dst_ranks
+                      if r >= len(ranks.domain) or ranks.domain[r] < 0)
+    if unplaced:
+        raise ValueError(f"ranks {unplaced[:8]} of the plan have no domain in the rank map")
+    net = _Net(cluster, ranks)
+    with _gc_paused():  # many small tuples, no cycles: see reshard.plan
+        groups = _groups(plan.tensors)
+        bound_s, bound_what, network_bytes = _lower_bound(groups, net)
+        pairs = _plan_pairs(plan, groups)
+        model = {"p2p": lambda: _p2p(pairs, net, budget_bytes, bound_s),
+                 "reshard": lambda: _reshard(groups, net, budget_bytes, bound_s),
+                 "gather_broadcast": lambda: _gather_broadcast(plan, net, budget_bytes,
+                                                               bound_s)}
+        predictions = {m: model[m]() for m in METHODS if m in methods}
+    return Simulation(cluster, ranks, predictions, bound_s, bound_what, network_bytes, pairs)
+
+
+# ------------------------------------------------------------------------------- links
+
+class _Net:
+    """The cluster seen per rank: domain and NIC arrays, link capacities."""
+
+    def __init__(self, cluster: Cluster, ranks: RankMap) -> None:
+        self.cluster = cluster
+        self.domain = ranks.domain
+        self.nic = ranks.nic
+        self.num_ranks = len(ranks.domain)
+        self.num_nics = 1 + max(ranks.nic, default=-1)
+        self.dom_arr = np.asarray(ranks.domain, dtype=np.int64)
+        self.nic_arr = np.asarray(ranks.nic, dtype=np.int64)
+        self.nic_bw = cluster.nic_gb_per_s * 1e9
+        self.intra_bw = cluster.intra_gb_per_s * 1e9
+        shared = cluster.shared_intra_gb_per_s
+        self.shared_bw = None if shared is None else shared * 1e9
+
+    def loads(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> LinkLoads:
+        """Link loads of transfers src[i] -> dst[i] of nbytes[i] (local ones ignored)."""
+        cross = self.dom_arr[src] != self.dom_arr[dst]
+        inside = ~cross & (src != dst)
+        n, k = self.num_ranks, max(self.num_nics, 1)
+        return LinkLoads(
+            np.bincount(self.nic_arr[src[cross]], nbytes[cross], minlength=k),
+            np.bincount(self.nic_arr[dst[cross]], nbytes[cross], minlength=k),
+            np.bincount(src[inside], nbytes[inside], minlength=n),
+            np.bincount(dst[inside], nbytes[inside], minlength=n))
+
+    def nic_ranks(self, nic: int) -> str:
+        members = [r for r, k in enumerate(self.nic) if k == nic]
+        who = f"rank {members[0]}" if len(members) == 1 else \
+            f"ranks {members[0]}..{members[-1]}"
+        return f"{who}, domain {self.domain[members[0]]}"
+
+    def stage(self, loads: LinkLoads, parts: Sequence[str] = ("nic", "intra")
+              ) -> tuple[float, str, str, int | None]:
+        """(seconds, link class, words, rank) of the most loaded link among ``parts``."""
+        c = self.cluster
+        best: tuple[float, str, str, int | None] = (0.0, "none", "nothing to move", None)
+        for cls, arr, bw, who in (
+                ("nic_out", loads.nic_out, self.nic_bw, "nic"),
+                ("nic_in", loads.nic_in, self.nic_bw, "nic"),
+                ("intra_out", loads.intra_out, self.intra_bw, "intra"),
+                ("intra_in", loads.intra_in, self.intra_bw, "intra")):
+            if who not in parts or not arr.size or arr.max() <= 0:
+                continue
+            i = int(arr.argmax())
+            t = float(arr[i]) / bw
+            if t > best[0]:
+                if who == "nic":
+                    words = f"{c.nic_name} {cls[4:]}, {self.nic_ranks(i)}"
+                    rank = next(r for r, k in enumerate(self.nic) if k == i)
+                else:
+                    words = f"{c.intra_name} {cls[6:]}, rank {i} (domain {self.domain[i]})"
+                    rank = i
+                best = (t, cls, words, rank)
+        if "intra" in parts and self.shared_bw is not None:
+            t = float(loads.intra_in.sum()) / self.shared_bw
+            if t > best[0]:
+                best = (t, "intra_shared", f"all {c.intra_name} traffic (shared host)", None)
+        return best
+
+
+# ------------------------------------------------------------------------- lower bound
+
+def _lower_bound(groups, net: _Net) -> tuple[float, str, int]:
+    """(seconds, what binds, bytes that must cross the network)."""
+    dom = net.domain
+    need_in: dict[int, float] = {}
+    must_leave: dict[int, float] = {}
+    recv = np.zeros(net.num_ranks)
+    for t, count in groups:
+        tpl = t.template
+        src, dst = t.src.ranks, t.dst.ranks
+        for slot, nbytes in tpl.recv:
+            recv[dst[slot]] += nbytes * count
+        for u in tpl.units:
+            if not u.remote:
+                continue
+            held = {dom[src[s]] for s, _ in u.holders}
+            missing = {dom[dst[s]] for s, _ in u.remote} - held
+            amount = u.nbytes * count
+            for d in missing:
+                need_in[d] = need_in.get(d, 0) + amount
+            if missing and len(held) == 1:
+                (a,) = held
+                must_leave[a] = must_leave.get(a, 0) + amount
+    nics = _nics_per_domain(net)
+    bounds = [(0.0, "nothing to move")]
+    for d, b in need_in.items():
+        bounds.append((b / (nics[d] * net.nic_bw), f"domain {d} receives {b / 1e9:.3g} GB "
+                                                   f"over {nics[d]} {net.cluster.nic_name}(s)"))
+    for a, b in must_leave.items():
+        bounds.append((b / (nics[a] * net.nic_bw), f"domain {a} sends {b / 1e9:.3g} GB "
+                                                   f"over {nics[a]} {net.cluster.nic_name}(s)"))
+    if recv.any():
+        r = int(recv.argmax())
+        per_rank_nic = net.nic_bw / net.cluster.gpus_per_nic
+        bounds.append((recv[r] / (net.intra_bw + per_rank_nic),
+                       f"rank {r} receives {recv[r] / 1e9:.3g} GB"))
+    seconds, what = max(bounds, key=lambda x: x[0])
+    return seconds, what, int(sum(need_in.values()))
+
+
+def _nics_per_domain(net: _Net) -> dict[int, int]:
+    seen: dict[int, set[int]] = {}
+    for d, k in zip(net.domain, net.nic):
+        if d >= 0:
+            seen.setdefault(d, set()).add(k)
+    return {d: len(ks) for d, ks in seen.items()}
+
+
+# --------------------------------------------------------------------------------- p2p
+
+def _plan_pairs(plan: Plan, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes) of every remote transfer, with the plan's chosen senders."""
+    src: list[int] = []
+    dst: list[int] = []
+    amount: list[float] = []
+    for t, count in groups:  # single-holder regions: the same for every tensor of a group
+        s_ranks, d_ranks = t.src.ranks, t.dst.ranks
+        for u in t.template.units:
+            if u.remote and len(u.holders) == 1:
+                s, b = s_ranks[u.holders[0][0]], u.nbytes * count
+                for slot, _ in u.remote:
+                    src.append(s)
+                    dst.append(d_ranks[slot])
+                    amount.append(b)
+    for t in plan.tensors:  # replicated regions: each tensor has its own senders
+        if t.senders:
+            units, s_ranks, d_ranks = t.template.units, t.src.ranks, t.dst.ranks
+            for ui, chosen in t.senders:
+                u = units[ui]
+                for (slot, _), s in zip(u.remote, chosen):
+                    src.append(s_ranks[s])
+                    dst.append(d_ranks[slot])
+                    amount.append(u.nbytes)
+    return (np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
+            np.asarray(amount, dtype=np.float64))
+
+
+def _rounds(per_rank: np.ndarray, budget: float) -> int:
+    return max(1, ceil(float(per_rank.max(initial=0)) / max(budget, 1)))
+
+
+def _p2p(pairs, net: _Net, budget: int, bound: float) -> Prediction:
+    src, dst, nbytes = pairs
+    loads = net.loads(src, dst, nbytes)
+    staged = np.bincount(src, nbytes, minlength=net.num_ranks) + \
+        np.bincount(dst, nbytes, minlength=net.num_ranks)
+    rounds = _rounds(staged, budget)
+    seconds, link, words, rank = net.stage(loads)
+    c = net.cluster
+    hop = c.nic_latency_s if loads.network_bytes else c.intra_latency_s
+    latency = rounds * (c.op_latency_s + hop)
+    return Prediction("p2p", seconds + latency, words, link, rank, bound,
+                      {"transfer": seconds, "latency": latency, "rounds": rounds}, loads)
+
+
+# ----------------------------------------------------------------------------- reshard
+
+def _fill(loads: list[float], cands: Sequence[int], amount: float) -> list[float]:
+    """Split ``amount`` over ranks ``cands``, least loaded first (water filling), add the
+    shares to ``loads`` and return them: what picking the least-loaded rank for each of
+    many equal regions converges to."""
+    if len(cands) == 1:
+        loads[cands[0]] += amount
+        return [amount]
+    if len(set(cands)) < len(cands):  # a rank listed twice (explicit layouts): count it once
+        unique = list(dict.fromkeys(cands))
+        share = dict(zip(unique, _fill(loads, unique, amount)))
+        return [share.pop(c, 0.0) for c in cands]
+    order = sorted(range(len(cands)), key=lambda i: loads[cands[i]])
+    level, total = 0.0, 0.0
+    for k, i in enumerate(order, 1):
+        total += loads[cands[i]]
+        level = (amount + total) / k
+        if k == len(order) or level <= loads[cands[order[k]]]:
+            break
+    shares = [max(0.0, level - loads[c]) for c in cands]
+    for c, s in zip(cands, shares):
+        loads[c] += s
+    return shares
+
+
+def _reshard_loads(groups, net: _Net) -> tuple[list[np.ndarray], float]:
+    """Per-rank bytes (network out, network in, forward out, forward in) of the
+    domain-aware schedule, and its largest region; regions are taken largest first, as
+    :func:`reshard.topology.domain_schedule` does."""
+    n, dom = net.num_ranks, net.domain
+    net_out, net_in, fwd_out, fwd_in = ([0.0] * n for _ in range(4))
+    items = sorted((-u.nbytes, gi, ui) for gi, (t, _) in enumerate(groups)
+                   for ui, u in enumerate(t.template.units) if u.remote)
+    for _, gi, ui in items:
+        t, count = groups[gi]
+        u = t.template.units[ui]
+        amount = u.nbytes * count
+        holders = [t.src.ranks[s] for s, _ in u.holders]
+        by_domain: dict[int, list[int]] = {}
+        for slot, _ in u.remote:
+            r = t.dst.ranks[slot]
+            by_domain.setdefault(dom[r], []).append(r)
+        for d, needers in by_domain.items():
+            near = [h for h in holders if dom[h] == d]
+            if near:  # a co-located holder: fast links only
+                for r in needers:
+                    _fill(fwd_out, near, amount)
+                    fwd_in[r] += amount
+                continue
+            shares = _fill(net_in, needers, amount)
+            _fill(net_out, holders, amount)
+            for r, share in zip(needers, shares):
+                fwd_out[r] += share * (len(needers) - 1)
+                fwd_in[r] += amount - share
+    largest = float(-items[0][0]) if items else 0.0
+    return [np.asarray(x) for x in (net_out, net_in, fwd_out, fwd_in)], largest
+
+
+def _reshard(groups, net: _Net, budget: int, bound: float) -> Prediction:
+    (net_out, net_in, fwd_out, fwd_in), largest = _reshard_loads(groups, net)
+    placed = net.nic_arr >= 0
+    nic, k = net.nic_arr[placed], max(net.num_nics, 1)
+    loads = LinkLoads(np.bincount(nic, net_out[placed], minlength=k),
+                      np.bincount(nic, net_in[placed], minlength=k), fwd_out, fwd_in)
+    t_net, link_n, words_n, rank_n = net.stage(loads, ("nic",))
+    t_fwd, link_f, words_f, rank_f = net.stage(loads, ("intra",))
+    chunk = min(budget // 6, largest)  # the schedule's network chunk (topology.py)
+    if t_net and t_fwd:  # the faster stage trails (or leads) the slower by one chunk
+        fill = chunk / (net.intra_bw if t_net >= t_fwd else net.nic_bw)
+    else:
+        fill = 0.0
+    c = net.cluster
+    rounds = max(_rounds(net_out + net_in, budget / 3),
+                 _rounds(net_out + net_in + fwd_out + fwd_in, budget))
+    latency = rounds * (c.op_latency_s + (c.nic_latency_s if t_net else 0.0)
+                        + (c.intra_latency_s if t_fwd else 0.0))
+    if t_net >= t_fwd:
+        link, words, rank = link_n, words_n, rank_n
+    else:
+        link, words, rank = link_f, words_f, rank_f
+    stages = {"network": t_net, "forward": t_fwd, "pipeline_fill": fill, "latency": latency,
+              "rounds": rounds}
+    return Prediction("reshard", max(t_net, t_fwd) + fill + latency, words, link, rank, bound,
+                      stages, loads)
+
+
+# -------------------------------------------------------------------- gather_broadcast
+
+@dataclass
+class _BucketCost:
+    """What one bucket of a (source ranks, destination ranks) pair costs, per byte."""
+
+    src_idx: np.ndarray
+    dst_idx: np.ndarray
+    gather_per_byte: float  # seconds per byte of the largest local share
+    gather_latency: float
+    gather_label: tuple[str, str, int | None]  # (link class, the slowest link, its rank)
+    gather_links: list[tuple[int, int]]
+    bcast_per_byte: float
+    bcast_latency: float
+    bcast_label: tuple[str, str, int | None]
+    bcast_links: list[tuple[int, int]]
+    gather_bytes: float = 0.0  # accumulated, for the link loads
+    bcast_bytes: float = 0.0
+
+
+def _buckets(plan: Plan, budget: int) -> list[list]:
+    """The buckets of :mod:`reshard.baseline`: [source ranks, destination rank set, bytes,
+    bytes each source slot holds], consecutive tensors with the same ranks, at most
+    ``budget`` bytes each (a larger tensor alone)."""
+    out: list[list] = []
+    key, size = None, 0
+    held: dict[Any, np.ndarray] = {}
+    for t in plan.tensors:
+        k = (t.src.ranks, t.dst.rank_set)
+        nbytes = t.src.numel * t.dst.itemsize
+        if k != key or size + nbytes > budget:
+            out.append([k[0], k[1], 0.0, np.zeros(len(k[0]))])
+            key, size = k, 0
+        bucket = out[-1]
+        bucket[2] += nbytes
+        bucket[3] += _held_per_slot(t.src, held)
+        size += nbytes
+    return out
+
+
+def _held_per_slot(layout, cache: dict[Any, np.ndarray]) -> np.ndarray:
+    found = cache.get(id(layout))
+    if found is None:
+        found = cache.get(layout.structure)
+        if found is None:
+            found = np.array([layout.itemsize * int(np.prod(layout.view_of_slot(s).local_shape))
+                              for s in range(len(layout.ranks))], dtype=np.float64)
+            cache[layout.structure] = found
+        cache[id(layout)] = found
+    return found
+
+
+def _ring(members: list[int], closed: bool, net: _Net) -> tuple[float, tuple, list]:
+    """(bandwidth B/s, (link class, slowest link, its rank), links) of a ring (``closed``)
+    or a chain over ``members`` in that order. NCCL runs one channel per NIC the ring has
+    in a domain, so a link between domains carries min(NICs on either side) x NIC
+    bandwidth; gloo runs one TCP flow per link, and flows through one NIC share it."""
+    links = list(zip(members, members[1:]))
+    if closed and len(members) > 1:
+        links.append((members[-1], members[0]))
+    dom, nic, c = net.domain, net.nic, net.cluster
+    nics: dict[int, set[int]] = {}
+    for r in members:
+        nics.setdefault(dom[r], set()).add(nic[r])
+    flows_out: dict[int, int] = {}
+    flows_in: dict[int, int] = {}
+    for a, b in links:
+        if dom[a] != dom[b]:
+            flows_out[nic[a]] = flows_out.get(nic[a], 0) + 1
+            flows_in[nic[b]] = flows_in.get(nic[b], 0) + 1
+    num_intra = sum(dom[a] == dom[b] for a, b in links)
+    best, label = float("inf"), ("none", "no link", None)
+    for a, b in links:
+        if dom[a] == dom[b]:
+            bw = net.intra_bw if net.shared_bw is None else min(net.intra_bw,
+                                                                  net.shared_bw / num_intra)
+            kind = c.intra_name
+        elif c.collectives == "nccl":
+            k = min(len(nics[dom[a]]), len(nics[dom[b]]))
+            bw, kind = k * net.nic_bw, f"{k} {c.nic_name}(s) between domains"
+        else:
+            k = max(flows_out[nic[a]], flows_in[nic[b]])
+            bw, kind = net.nic_bw / k, f"{c.nic_name} shared by {k} flow(s)"
+        if bw < best:
+            best, label = bw, (kind, f"rank {a} -> rank {b}", a)
+    return best, label, links
+
+
+def _tree(members: list[int], root: int, net: _Net) -> tuple[float, tuple, list]:
+    """gloo's binomial-tree broadcast as fluid flows: (seconds per byte, busiest link,
+    links). Virtual rank v (root 0) receives from v with its highest set bit cleared, then
+    posts all its sends at once; concurrent flows share each NIC direction and fast link
+    equally."""
+    n = len(members)
+    rank = [members[(v + root) % n] for v in range(n)]
+    parent = [0] + [v ^ (1 << (v.bit_length() - 1)) for v in range(1, n)]
+    children: dict[int, list[int]] = {v: [] for v in range(n)}
+    for v in range(1, n):
+        children[parent[v]].append(v)
+    cap = {"out": net.nic_bw, "in": net.nic_bw, "io": net.intra_bw, "ii": net.intra_bw,
+           "sh": net.shared_bw}
+    resources = {v: _flow_resources(rank[parent[v]], rank[v], net) for v in range(1, n)}
+    active = {v: 1.0 for v in children[0]}
+    carried: dict[tuple, float] = {}
+    t = 0.0
+    while active:
+        count: dict[tuple, int] = {}
+        for v in active:
+            for res in resources[v]:
+                count[res] = count.get(res, 0) + 1
+        rate = {v: min(cap[res[0]] / count[res] for res in resources[v]) for v in active}
+        dt = min(active[v] / rate[v] for v in active)
+        t += dt
+        for v in list(active):
+            active[v] -= rate[v] * dt
+            if active[v] <= 1e-9:
+                del active[v]
+                active.update((c, 1.0) for c in children[v])
+    for v in range(1, n):
+        for res in resources[v]:
+            carried[res] = carried.get(res, 0.0) + 1.0 / cap[res[0]]
+    busiest = max(carried, key=carried.get, default=None)
+    links = [(rank[parent[v]], rank[v]) for v in range(1, n)]
+    return t, _resource_words(busiest, net), links
+
+
+def _flow_resources(a: int, b: int, net: _Net) -> list[tuple]:
+    if net.domain[a] != net.domain[b]:
+        return [("out", net.nic[a]), ("in", net.nic[b])]
+    shared = [("sh", 0)] if net.shared_bw is not None else []
+    return [("io", a), ("ii", b), *shared]
+
+
+def _resource_words(res: tuple | None, net: _Net) -> tuple[str, str, int | None]:
+    c = net.cluster
+    if res is None:
+        return "none", "no link", None
+    kind, idx = res
+    if kind in ("out", "in"):
+        rank = next(r for r, k in enumerate(net.nic) if k == idx)
+        return f"{c.nic_name} {kind}", net.nic_ranks(idx), rank
+    if kind == "sh":
+        return f"{c.intra_name} (shared host)", "all ranks", None
+    return f"{c.intra_name} {'out' if kind == 'io' else 'in'}", f"rank {idx}", idx
+
+
+def _bucket_cost(src: tuple[int, ...], dst: frozenset[int], net: _Net) -> _BucketCost:
+    c, dom = net.cluster, net.domain
+    root = min(src)
+    nccl = c.collectives == "nccl"
+    gather = sorted(src, key=lambda r: (dom[r], r)) if nccl else sorted(src)
+    g_bw, g_label, g_links = (_ring(gather, True, net) if len(src) > 1
+                              else (1.0, ("none", "", None), []))
+    g_hops = len(src) - 1
+    crosses = len({dom[r] for r in src}) > 1
+    hop = c.nic_latency_s if crosses else c.intra_latency_s
+    g_lat = (c.op_latency_s + g_hops * hop) if nccl else 2 * g_hops * hop
+    group = sorted({root} | dst)
+    if len(group) < 2:
+        b_per, b_lat, b_label, b_links = 0.0, 0.0, ("none", "", None), []
+    elif nccl:
+        chain = [root] + sorted(set(group) - {root},
+                                key=lambda r: (dom[r] != dom[root], dom[r], r))
+        bw, b_label, b_links = _ring(chain, False, net)
+        b_per = 1.0 / bw
+        b_lat = c.op_latency_s + sum(c.intra_latency_s if dom[a] == dom[b] else c.nic_latency_s
+                                     for a, b in b_links)
+    else:
+        b_per, b_label, b_links = _tree(group, group.index(root), net)
+        b_lat = c.op_latency_s + ceil(np.log2(len(group))) * c.nic_latency_s
+    return _BucketCost(np.asarray(src), np.asarray(sorted(dst | {root})),
+                       g_hops / g_bw if g_hops else 0.0, g_lat if g_hops else 0.0,
+                       g_label, g_links, b_per, b_lat, b_label, b_links)
+
+
+def _gather_broadcast(plan: Plan, net: _Net, budget: int, bound: float) -> Prediction:
+    """Buckets in order; a rank runs its buckets one after another (all-gather, then
+    broadcast), so buckets of disjoint rank sets overlap and the rest queue."""
+    free = np.zeros(net.num_ranks)
+    costs: dict[tuple, _BucketCost] = {}
+    spent: dict[str, float] = {}  # seconds per (stage, link class)
+    example: dict[str, tuple[float, str, int | None]] = {}
+    stage = {"all_gather": 0.0, "broadcast": 0.0}
+    for src, dst, nbytes, held in _buckets(plan, budget):
+        cost = costs.get((src, dst))
+        if cost is None:
+            cost = costs[(src, dst)] = _bucket_cost(src, dst, net)
+        longest = float(held.max())
+        t_gather = cost.gather_per_byte * longest + cost.gather_latency
+        t_bcast = cost.bcast_per_byte * nbytes + cost.bcast_latency
+        gathered = free[cost.src_idx].max() + t_gather
+        free[cost.src_idx] = gathered
+        done = max(gathered, free[cost.dst_idx].max()) + t_bcast
+        free[cost.dst_idx] = done
+        cost.gather_bytes += longest * (len(src) - 1)
+        cost.bcast_bytes += nbytes
+        for name, (kind, words, rank), t in (("all-gather", cost.gather_label, t_gather),
+                                             ("broadcast", cost.bcast_label, t_bcast)):
+            if t:
+                key = f"{name} over {kind}"
+                spent[key] = spent.get(key, 0.0) + t
+                if t > example.get(key, (0.0,))[0]:
+                    example[key] = (t, words, rank)
+        stage["all_gather"] += t_gather
+        stage["broadcast"] += t_bcast
+    if spent:
+        key = max(spent, key=spent.get)
+        _, words, rank = example[key]
+        label, link = f"{key}, e.g. {words}", key.split(" over ")[0].replace("-", "_")
+    else:
+        label, link, rank = "nothing to move", "none", None
+    return Prediction("gather_broadcast", float(free.max(initial=0.0)), label, link, rank,
+                      bound, stage, _gather_broadcast_loads(costs.values(), net))
+
+
+def _gather_broadcast_loads(costs, net: _Net) -> LinkLoads:
+    src: list[int] = []
+    dst: list[int] = []
+    amount: list[float] = []
+    for cost in costs:
+        for links, nbytes in ((cost.gather_links, cost.gather_bytes),
+                              (cost.bcast_links, cost.bcast_bytes)):
+            for a, b in links:
+                src.append(a)
+                dst.append(b)
+                amount.append(nbytes)
+    return net.loads(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
+                     np.asarray(amount, dtype=np.float64))
