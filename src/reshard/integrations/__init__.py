@@ -1,0 +1,1 @@
+"""Integrations with real training and inference stacks (transformers, vLLM)."""

@@ -1,0 +1,214 @@
+"""The trainer side with Hugging Face transformers: tiny models and their sharding.
+
+* :func:`tiny_config` / :func:`build_tiny_model`: a small random Qwen3 or Qwen3-MoE model
+  built locally (no hub access) and saved with ``save_pretrained`` (bf16 safetensors),
+  ``head_dim`` >= 32 so that vLLM's CPU attention accepts it.
+* :func:`shard_fsdp2`: FSDP2 (``fully_shard`` on every decoder layer, then the root).
+* :func:`shard_tp`: tensor parallelism with ``parallelize_module`` (q/k/v/gate/up
+  column-parallel, o/down row-parallel; ``q_norm``/``k_norm`` replicated with their
+  gradients all-reduced, as transformers' own ``replicated_with_grad_allreduce``).
+* :func:`refit_params`: ``(params, layouts)`` under the Hugging Face names for
+  :class:`reshard.refit.RefitSender` (DTensors keep their own layout, plain replicated
+  tensors get a replicated one; wrapper prefixes such as ``_orig_mod.`` are stripped).
+* :func:`full_state_dict`, :func:`checkpoint_state_dict`, :func:`greedy_tokens`: the
+  references the tests and the demo check vLLM against.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout import Layout
+from ..mesh import Mesh
+from ..placement import Replicate
+
+__all__ = [
+    "build_tiny_model", "checkpoint_state_dict", "full_state_dict", "greedy_tokens",
+    "hf_name", "load_model", "param_shapes", "refit_params", "shard_fsdp2", "shard_tp",
+    "tiny_config",
+]
+
+_WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.|"
+                       r"^module\.")  # torch.compile, FSDP1, activation checkpointing, DDP
+_FUSED_EXPERTS = re.compile(r"^(?P<p>.+\.mlp\.experts)\.(?P<w>gate_up_proj|down_proj)$")
+
+
+def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
+    """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=512,
+                  max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if kind == "qwen3":
+        return Qwen3Config(**{**common, **overrides})
+    if kind == "qwen3_moe":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        return Qwen3MoeConfig(**{**common, **moe, **overrides})
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'qwen3' or 'qwen3_moe'")
+
+
+def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,
+                     std: float = 0.2, **overrides: Any) -> Path:
+    """Build a random tiny model and ``save_pretrained`` it (bf16) into ``path``.
+
+    Matrices are drawn from N(0, std) (wider than the default init, so that greedy
+    outputs are far from ties); norms keep their ones."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    model.config.dtype = torch.bfloat16
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """``from_pretrained`` of a local directory, eager attention, training mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                 attn_implementation="eager")
+    return model.train()
+
+
+def _layers(model: Any) -> Sequence[Any]:
+    return model.model.layers
+
+
+def shard_fsdp2(model: Any, mesh: Any = None) -> Any:
+    """FSDP2 over ``mesh`` (default: the whole world): every decoder layer, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def shard_tp(model: Any, mesh: Any = None) -> Any:
+    """Megatron-style tensor parallelism over ``mesh`` (default: the whole world).
+
+    Embeddings, norms and ``lm_head`` stay replicated plain tensors; ``q_norm`` and
+    ``k_norm`` act on each rank's own heads, so their gradients are summed over the
+    ranks after backward (otherwise the replicas drift apart)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    if getattr(model.config, "num_experts", None) or getattr(model.config,
+                                                             "num_local_experts", None):
+        raise NotImplementedError("shard_tp covers dense models; shard MoE models with "
+                                  "shard_fsdp2")
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    group = mesh.get_group()
+    for layer in _layers(model):
+        parallelize_module(layer, mesh, plan)
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            for p in norm.parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda p: dist.all_reduce(p.grad, group=group))
+    model._reshard_tp_mesh = mesh
+    return model
+
+
+def hf_name(name: str) -> str:
+    """A parameter name without FSDP / compile / DDP wrapper prefixes."""
+    return _WRAPPERS.sub(lambda m: m.group(1) or "", name)
+
+
+def refit_params(model: Any, ranks: Sequence[int] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Layout]]:
+    """``(params, layouts)`` for :class:`reshard.refit.RefitSender`, by HF name.
+
+    DTensors keep their own layout; plain tensors (replicated under tensor parallelism)
+    get a replicated layout over ``ranks`` (default: the whole world)."""
+    import torch.distributed as dist
+
+    params, layouts = {}, {}
+    world = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+    for name, p in model.named_parameters():
+        name = hf_name(name)
+        params[name] = p
+        if hasattr(p, "placements") and hasattr(p, "to_local"):
+            layouts[name] = Layout.from_dtensor(p)
+        else:
+            layouts[name] = Layout(tuple(p.shape), Mesh(world), [Replicate()], p.dtype)
+    return params, layouts
+
+
+def param_shapes(model: Any) -> dict[str, list[int]]:
+    """HF name -> global shape of every parameter (what a receiver must map)."""
+    return {hf_name(n): list(p.shape) for n, p in model.named_parameters()}
+
+
+def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters by HF name; a collective under FSDP2 / TP."""
+    out = {}
+    for name, p in model.named_parameters():
+        data = p.detach()
+        out[hf_name(name)] = (data.full_tensor() if hasattr(data, "full_tensor")
+                              else data).clone()
+    return out
+
+
+def checkpoint_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The on-disk checkpoint form of a state dict: transformers 5's fused experts
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) split into
+    per-expert ``experts.{e}.{gate,up,down}_proj.weight``, as ``save_pretrained`` does."""
+    out = {}
+    for name, t in state.items():
+        m = _FUSED_EXPERTS.match(name)
+        if not m:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if m["w"] == "down_proj":
+                out[f"{m['p']}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{m['p']}.{e}.gate_proj.weight"] = gate
+                out[f"{m['p']}.{e}.up_proj.weight"] = up
+    return out
+
+
+@torch.no_grad()
+def greedy_tokens(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int
+                  ) -> list[list[int]]:
+    """Greedy continuation of each token-id prompt (no EOS stop, no KV cache)."""
+    model.eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        new: list[int] = []
+        for _ in range(max_tokens):
+            logits = model(input_ids=ids).logits[0, -1]
+            nxt = int(torch.argmax(logits.float()))
+            new.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+        out.append(new)
+    return out

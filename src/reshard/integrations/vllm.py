@@ -1,0 +1,567 @@
+"""Refit a running vLLM engine from a reshard trainer: every vLLM rank receives only its
+own bytes, fused parameters (``qkv_proj``, ``gate_up_proj``, MoE ``w13``/``w2``) and the
+padded vocabulary included; no rank ever receives a full sharded tensor.
+
+Two ways in, one mechanism (:class:`ReshardState`):
+
+* **Worker extension** (the path the tests and ``reshard.demo_rl`` use)::
+
+      llm = LLM(model=path, tensor_parallel_size=2,
+                worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
+      collective(llm, "reshard_init", host, port, trainer_size)  # while the trainer
+      #   ranks build RefitSender(params, host=host, port=port, ...)
+      collective(llm, "reshard_refit")  # while the trainer ranks call sender.refit(step)
+
+* **Weight-transfer backend** ``"reshard"``, registered in vLLM's
+  ``WeightTransferEngineFactory`` when this module is imported -- which vLLM does in
+  every worker when it is the ``worker_extension_cls``, before the engine is created::
+
+      llm = LLM(..., worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension",
+                weight_transfer_config={"backend": "reshard"})
+      llm.init_weight_transfer_engine({"init_info": {"master_address": host,
+                                                     "master_port": port, "trainer_size": 2}})
+      llm.start_weight_update(); llm.update_weights({"update_info": {}})
+      llm.finish_weight_update(weight_version=...)
+
+  ``update_weights`` receives (RefitReceiver.refit) and ``finish_weight_update`` commits.
+  A failed refit does not raise (see :func:`_reported`): ``collective(llm,
+  "reshard_last")`` reports it and ``finish_weight_update`` then commits nothing.
+
+vLLM 0.32 caveat: when a ``collective_rpc`` method raises on a worker, the executor stops
+reading replies there and the later workers' replies are taken as the answers of the
+next call, so no ``reshard_*`` method raises into vLLM; use :func:`collective` to get an
+exception back in the caller.
+
+How a refit lands on one rank:
+
+1. At init, vLLM's per-rank *logical* (checkpoint-format) parameter shapes are read from
+   the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``). On CPU the
+   live linear weights are repacked after loading (the live parameters are empty), so
+   the logical form is the only sharded form there is. :func:`reshard.mapping.hf_to_vllm`
+   maps every Hugging Face tensor to a slot of a logical tensor and a layout; the rank
+   allocates one logical buffer per vLLM parameter, and the receiver's targets are views
+   into those buffers (q/k/v rows of ``qkv_proj``, an expert's rows of ``w13``, ...).
+2. ``RefitReceiver.refit()`` writes into the buffers (through its own shadow when
+   ``staging="shadow"``) and returns only once every rank of both jobs has its part.
+3. Commit, through vLLM's layerwise reload: ``initialize_layerwise_reload`` puts each
+   layer back in checkpoint format (on the meta device); each logical buffer is copied
+   whole into its parameter through the layer's deferred loader; when a layer is
+   complete vLLM materializes it, reruns ``process_weights_after_loading`` (CPU GEMM
+   packing, MoE pad + prepack) and copies the result into the original kernel tensors;
+   ``finalize_layerwise_reload`` finishes. CPU MoE work-around: vLLM 0.32 reruns the CPU
+   experts' pad + prepack only on a first load (``quant_method.moe_kernel is None``), so
+   that attribute is reset before every commit.
+
+Never torn: nothing reaches the live model before ``RefitReceiver.refit()`` returned on
+every rank; a refit that fails (a trainer rank raising, a peer lost) leaves the live
+model, the logical buffers (with ``staging="shadow"``) and the version as they were.
+With ``staging="none"`` the receiver writes straight into the logical buffers: the live
+model is still never torn, the buffers may be until the next successful refit.
+
+Checks (tests, demo): ``reshard_verify(path)`` compares this rank's logical tensors with
+what vLLM's own ``model.load_weights`` makes of the full state dict saved at ``path`` (a
+dry run of layerwise reload that captures each layer before processing and puts the
+live kernel tensors back), bit for bit, plus the parameters vLLM keeps unpacked live.
+Limits: tensor parallelism only (no pipeline or expert parallelism on the vLLM side);
+vLLM 0.32's layerwise-reload internals are used, so the vLLM version is pinned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..errors import ReshardError
+from ..executor import DEFAULT_BUDGET_BYTES
+from ..mapping import MappingError, VllmMapping, hf_to_vllm
+
+__all__ = [
+    "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
+    "ReshardWorkerExtension", "collective", "logical_params", "register",
+]
+
+log = logging.getLogger("reshard.vllm")
+BACKEND = "reshard"
+
+
+def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[int, ...],
+                                                                torch.dtype]]:
+    """vLLM param name -> (module name, attribute, per-rank logical shape, dtype).
+
+    Shapes come from vLLM's layerwise-reload metadata (the parameters as the model
+    created them, before any repacking); parameters vLLM does not record there (biases)
+    are taken live."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    out = {}
+    for mname, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        metas = dict(info.restore_metadata[0]) if info is not None else {}
+        bias = module._parameters.get("bias")
+        if bias is not None and "bias" not in metas:
+            metas["bias"] = bias  # vLLM never moves biases to meta, nor records them
+        for pname, meta in metas.items():
+            out[f"{mname}.{pname}" if mname else pname] = (mname, pname, tuple(meta.shape),
+                                                           meta.dtype)
+    return out
+
+
+def _copy_into(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """The loader a commit uses: the buffer already is this rank's logical tensor."""
+    param.data.copy_(loaded_weight)
+
+
+class _QuietLayers(logging.Filter):
+    """Drop layerwise reload's "<Layer>: Failed to load weights" warning for layers that
+    hold no parameters (RotaryEmbedding's cos/sin cache buffer): a refit carries
+    weights only, and every parameter it covers is checked at init."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        with_params = {type(m).__name__ for m in model.modules()
+                       if any(True for _ in m.parameters(recurse=False))}
+        self.names = {type(m).__name__ for m in model.modules()} - with_params
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("Failed to load weights" in str(record.msg) and record.args
+                    and record.args[0] in self.names)
+
+
+@contextlib.contextmanager
+def _quiet(model: torch.nn.Module) -> Any:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    f = _QuietLayers(model)
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
+def _reset_moe_kernels(model: torch.nn.Module) -> int:
+    """vLLM 0.32 CPU MoE: force the first-load processing (pad + prepack) on reload."""
+    n = 0
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and hasattr(qm, "moe_kernel"):
+            qm.moe_kernel = None
+            n += 1
+    return n
+
+
+def _snapshot_loaders(params: Any) -> list[tuple[torch.Tensor, dict]]:
+    keys = ("weight_loader", "_weight_loader")
+    return [(p, {k: p.__dict__[k] for k in keys if k in p.__dict__}) for p in params]
+
+
+def _restore_loaders(saved: Sequence[tuple[torch.Tensor, dict]]) -> None:
+    """Put loaders back: on vLLM's stored metadata parameters (which a commit routes
+    through a copy loader) and on tensors layerwise reload never moves to meta (biases),
+    which it leaves with the unwrapped loader."""
+    for p, attrs in reversed(saved):
+        for k in ("weight_loader", "_weight_loader"):
+            if k in attrs:
+                p.__dict__[k] = attrs[k]
+            elif k in p.__dict__ and k == "weight_loader":
+                del p.__dict__[k]
+
+
+class ReshardState:
+    """One vLLM rank's side of the refit: mapping, logical buffers, receiver, commit."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
+                 inference_size: int, host: str, port: int, trainer_size: int,
+                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 hf_tensors: Mapping[str, Sequence[int]] | None = None,
+                 timeout_s: float = 120.0) -> None:
+        from ..refit import RefitReceiver
+
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size != 1:
+            raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
+                               f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
+        self.model, self.vllm_config, self.rank = model, vllm_config, rank
+        model_config = vllm_config.model_config
+        dtype = model_config.dtype
+        self.where = logical_params(model)
+        shapes = {n: s for n, (_, _, s, _) in self.where.items()}
+        self.mapping: VllmMapping = hf_to_vllm(model_config.hf_config, inference_size, shapes,
+                                               hf_tensors=hf_tensors, dtype=dtype)
+        uncovered = self.mapping.uncovered(shapes)
+        if uncovered:
+            raise MappingError(f"vLLM parameters that no Hugging Face tensor fills: "
+                               f"{uncovered[:8]}; a refit would leave them unset")
+        odd = [n for n in self.mapping.param_shapes if self.where[n][3] != dtype]
+        if odd:
+            raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
+        self.buffers = self.mapping.allocate(rank)
+        self.expected_bytes = self.mapping.shard_bytes(rank)
+        self.receiver = RefitReceiver(
+            self.mapping.targets(rank, self.buffers), self.mapping.layouts, host=host,
+            port=port, rank=rank, trainer_size=trainer_size, inference_size=inference_size,
+            staging=staging, budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+        self.last: dict[str, Any] = {}
+        self._version = 0
+        self.created = time.monotonic()
+
+    @property
+    def version(self) -> int:
+        """The weight version live in the model (the trainer's step of the last commit)."""
+        return self._version
+
+    def info(self) -> dict[str, Any]:
+        """Sizes: HF tensors, vLLM parameters, bytes a refit brings, staging memory."""
+        return {"rank": self.rank, "version": self.version, "tensors": len(self.mapping.tensors),
+                "params": len(self.mapping.param_shapes),
+                "expected_bytes": self.expected_bytes,
+                "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers.values()),
+                "shadow_bytes": self.receiver.shadow_bytes}
+
+    def receive(self) -> dict[str, Any]:
+        """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
+        committed, ``last`` says why)."""
+        t0 = time.perf_counter()
+        try:
+            stats = self.receiver.refit()
+        except Exception as e:
+            self.last = {"ok": False, "rank": self.rank, "version": self.version,
+                         "error": f"{type(e).__name__}: {e}",
+                         "seconds": time.perf_counter() - t0}
+            raise
+        self.last = {"ok": True, "rank": self.rank, "version": stats.version,
+                     "receive_seconds": stats.seconds, "bytes_received": stats.bytes_received,
+                     "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
+                     "expected_bytes": self.expected_bytes, "committed": False}
+        return self.last
+
+    @torch.no_grad()
+    def commit(self) -> float:
+        """Copy the logical buffers into the live model through vLLM's layerwise reload."""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        model = self.model
+        saved = _snapshot_loaders(model.parameters())
+        with set_current_vllm_config(self.vllm_config), _quiet(model):
+            _reset_moe_kernels(model)
+            lw.initialize_layerwise_reload(model)
+            try:
+                for name, buf in self.buffers.items():
+                    mname, attr, _, _ = self.where[name]
+                    module = model.get_submodule(mname) if mname else model
+                    param = getattr(module, attr)
+                    # the restored parameter is vLLM's stored metadata object: its loader
+                    # is put back afterwards, or later reloads would inherit ours
+                    saved += _snapshot_loaders([param])
+                    param.weight_loader = _copy_into
+                    param.weight_loader = lw.make_online_process_loader(module, attr)
+                    param.weight_loader(param, buf)
+            finally:
+                lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
+                _restore_loaders(saved)
+        seconds = time.perf_counter() - t0
+        self._version = self.receiver.version
+        self.last.update(committed=True, commit_seconds=seconds)
+        return seconds
+
+    def refit(self) -> dict[str, Any]:
+        """Receive, then commit: {ok, version, seconds, bytes_received, expected_bytes,
+        receive_seconds, commit_seconds}; ``ok: False`` and ``error`` when the refit
+        failed (the live model and the version are then those of the previous refit)."""
+        t0 = time.perf_counter()
+        try:
+            self.receive()
+        except ReshardError:  # TransferError: aborted on every rank of both jobs
+            return self.last
+        self.commit()
+        self.last["seconds"] = time.perf_counter() - t0
+        return self.last
+
+    # -- checks (tests, demo) ---------------------------------------------------------
+    @torch.no_grad()
+    def vllm_reference(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What vLLM's own ``model.load_weights`` makes of a full checkpoint-format state
+        dict on this rank, as logical tensors -- without touching the live weights.
+
+        A dry run of layerwise reload: every layer is restored in checkpoint format and
+        loaded by the model's own loaders; when a layer is complete its logical tensors
+        are captured and the live kernel tensors are put back, unprocessed. (Tensors
+        vLLM never moves to meta, such as biases, are written in place with the same
+        loaders.)"""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+        from vllm.config import set_current_vllm_config
+
+        model = self.model
+        names = {m: n for n, m in model.named_modules()}
+        captured: dict[str, torch.Tensor] = {}
+
+        def capture(layer: torch.nn.Module, info: Any) -> None:
+            lw.materialize_layer(layer, info)
+            for p in lw.get_layer_tensors(layer).values():
+                p.weight_loader = lw._get_original_loader(p)
+            for pname, args in info.loaded_weights:
+                param = getattr(layer, pname)
+                args.arguments["param"] = param
+                param.weight_loader(*args.args, **args.kwargs)
+            prefix = names[layer]
+            for pname, p in layer._parameters.items():
+                if p is not None:
+                    captured[f"{prefix}.{pname}" if prefix else pname] = p.detach().clone()
+            lw._place_kernel_tensors(layer, info)
+            info.reset()
+
+        saved = _snapshot_loaders(model.parameters())
+        original = lw._layerwise_process
+        lw._layerwise_process = capture
+        try:
+            with set_current_vllm_config(self.vllm_config), _quiet(model):
+                lw.initialize_layerwise_reload(model)
+                try:
+                    model.load_weights(iter(state_dict.items()))
+                finally:
+                    lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
+        finally:
+            lw._layerwise_process = original
+            _restore_loaders(saved)
+        return captured
+
+    def verify(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Compare the logical buffers of the last refit with :meth:`vllm_reference` of
+        ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
+        ref = self.vllm_reference(state_dict)
+        mismatched = [n for n, b in self.buffers.items()
+                      if n not in ref or not torch.equal(ref[n], b)]
+        live = dict(self.model.named_parameters())
+        # packed linears are empty on CPU (shape differs); MoE experts are reordered in
+        # place whatever their shape: compare the others, which vLLM leaves as loaded
+        experts = {n for n, (m, _, _, _) in self.where.items()
+                   if hasattr(self.model.get_submodule(m) if m else self.model, "w13_weight")}
+        live_checked = [n for n, b in self.buffers.items() if n in live and n not in experts
+                        and tuple(live[n].shape) == tuple(b.shape)]
+        live_mismatched = [n for n in live_checked if not torch.equal(live[n].data,
+                                                                      self.buffers[n])]
+        return {"rank": self.rank, "checked": len(self.buffers), "mismatched": mismatched,
+                "live_checked": len(live_checked), "live_mismatched": live_mismatched}
+
+    def close(self) -> None:
+        self.receiver.comm.close()
+
+
+def _load_state(path: str) -> dict[str, torch.Tensor]:
+    from .hf import checkpoint_state_dict
+
+    return checkpoint_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def _reported(fn: Any) -> Any:
+    """Return an exception as ``{"ok": False, "raised": type, "error": message}``.
+
+    vLLM 0.32's ``MultiprocExecutor.collective_rpc`` stops reading replies at the first
+    failed worker: the replies of the workers after it stay queued and are taken as the
+    answers of the *next* call (every later RPC is then off by one). So no method here
+    raises into vLLM; :func:`collective` turns such replies back into an exception."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as e:
+            log.exception("reshard: %s failed", fn.__name__)
+            return {"ok": False, "rank": getattr(self, "rank", None),
+                    "raised": type(e).__name__, "error": str(e)}
+
+    return wrapper
+
+
+def collective(llm: Any, method: str, *args: Any, timeout: float | None = None,
+               **kwargs: Any) -> list[Any]:
+    """``llm.collective_rpc(method, ...)`` that raises :class:`ReshardError` when a
+    worker's ``reshard_*`` method raised (see :func:`_reported`); one result per rank."""
+    results = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+    failed = [r for r in results if isinstance(r, dict) and r.get("raised")]
+    if failed:
+        ranks = [r["rank"] for r in failed]
+        raise ReshardError(f"{method} failed on vLLM rank(s) {ranks}: {failed[0]['raised']}: "
+                           f"{failed[0]['error']}")
+    return results
+
+
+class ReshardWorkerExtension:
+    """Mixed into vLLM's worker class (``LLM(worker_extension_cls=...)``); every method
+    runs on every worker through ``llm.collective_rpc("reshard_...")`` -- or, raising on
+    failure, :func:`collective` ``(llm, "reshard_...")``. None raises into vLLM: an
+    exception comes back as ``{"ok": False, "raised": ..., "error": ...}``."""
+
+    @_reported
+    def reshard_init(self, host: str, port: int, trainer_size: int,
+                     inference_size: int | None = None, staging: str = "shadow",
+                     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                     hf_tensors: Mapping[str, Sequence[int]] | None = None,
+                     timeout_s: float = 120.0) -> dict[str, Any]:
+        """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
+        build the mapping, the logical buffers and the receiver; returns sizes."""
+        self._reshard_drop()
+        size = inference_size or self.vllm_config.parallel_config.world_size
+        self._reshard = ReshardState(
+            self.model_runner.get_model(), self.vllm_config, rank=self.rank,
+            inference_size=size, host=host, port=port, trainer_size=trainer_size,
+            staging=staging, budget_bytes=budget_bytes, hf_tensors=hf_tensors,
+            timeout_s=timeout_s)
+        return self._reshard.info()
+
+    @_reported
+    def reshard_refit(self) -> dict[str, Any]:
+        """Receive the next version and make it live: {ok, version, seconds,
+        bytes_received, expected_bytes, receive_seconds, commit_seconds, error?}."""
+        return self._reshard_state().refit()
+
+    @_reported
+    def reshard_version(self) -> int:
+        return self._reshard_state().version
+
+    @_reported
+    def reshard_info(self) -> dict[str, Any]:
+        return self._reshard_state().info()
+
+    @_reported
+    def reshard_last(self) -> dict[str, Any]:
+        """The outcome of the last refit on this rank (as :meth:`reshard_refit` returns)."""
+        return self._reshard_state().last
+
+    @_reported
+    def reshard_dump(self, names: Sequence[str] | None = None) -> dict[str, list]:
+        """This rank's logical tensors as of the last refit, vLLM name -> nested lists
+        (what ``collective_rpc`` carries; ``torch.tensor(x, dtype=...)`` restores them
+        exactly)."""
+        buffers = self._reshard_state().buffers
+        return {n: buffers[n].tolist() for n in (names or buffers)}
+
+    @_reported
+    def reshard_verify(self, path: str) -> dict[str, Any]:
+        """Check the last refit against vLLM's own loaders fed the full state dict saved
+        at ``path`` (``torch.save`` of HF name -> tensor)."""
+        return self._reshard_state().verify(_load_state(path))
+
+    @_reported
+    def reshard_close(self) -> None:
+        """Leave the weight-update group (the engine keeps serving)."""
+        self._reshard_drop()
+
+    def _reshard_drop(self) -> None:
+        state = getattr(self, "_reshard", None)
+        if state is not None:
+            state.close()
+            self._reshard = None
+
+    def _reshard_state(self) -> ReshardState:
+        """The newest of the extension's own state and the ``reshard`` backend's."""
+        states = [getattr(self, "_reshard", None),
+                  getattr(getattr(self, "weight_transfer_engine", None), "state", None)]
+        state = max((s for s in states if isinstance(s, ReshardState)),
+                    key=lambda s: s.created, default=None)
+        if state is None:
+            raise ReshardError("call reshard_init (or init_weight_transfer_engine with the "
+                               "reshard backend) first")
+        return state
+
+
+# -------------------------------------------------------------- weight-transfer backend
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    trainer_size: int
+    staging: str = "shadow"
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    hf_tensors: dict[str, list[int]] | None = None
+    timeout_s: float = 120.0
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Nothing per round: the plan was agreed at init, the version comes from the
+    trainer."""
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    """``weight_transfer_config={"backend": "reshard"}``: init meets the trainer,
+    ``update_weights`` receives, ``finish_weight_update`` commits."""
+
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.state: ReshardState | None = None
+        self.received: dict[str, Any] | None = None
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+        pc = self.parallel_config
+        self.state = ReshardState(
+            self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
+            host=init_info.master_address, port=init_info.master_port,
+            trainer_size=init_info.trainer_size, staging=init_info.staging,
+            budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
+            timeout_s=init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self.received = None
+
+    def update_weights(self, update_info: Any) -> None:
+        # the base class synchronizes the accelerator, which raises on CPU-only torch
+        self.receive_weights(self.parse_update_info(update_info or {}))
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        """Receive into the logical buffers. A failed refit does not raise (see
+        :func:`_reported`: raising on every worker desynchronizes vLLM 0.32's RPC
+        replies); it is logged, ``reshard_last`` reports it, and the following
+        ``finish_weight_update`` commits nothing, so the previous version stays live."""
+        if self.state is None:
+            raise ReshardError("init_weight_transfer_engine first")
+        try:
+            self.received = self.state.receive()
+        except Exception:
+            log.exception("reshard: refit failed; the previous weights stay live")
+            self.received = None
+
+    def finish_weight_update(self) -> None:
+        if self.state is not None and self.received is not None:
+            self.state.commit()
+        self.received = None
+
+    def shutdown(self) -> None:
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+
+
+def register() -> None:
+    """Register the ``reshard`` backend in vLLM's weight-transfer engine registry."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, ReshardWeightTransferEngine)
+
+
+register()

