@@ -1,8 +1,12 @@
-"""``make demo``: the brief's example planned and carried out, then a refit benchmark.
+"""``make demo``: the brief's example, an RL loop refitting a real vLLM engine, and a
+refit benchmark.
 
 1. An 8x8 matrix row-sharded on 2 trainer ranks goes to 4 inference ranks that shard
    it by columns: every destination takes a 4x2 region from each source.
-2. A synthetic transformer state moves from a tp4 trainer to a tp2 x dp2 inference
+2. The main job (``reshard.demo_rl``): a transformers Qwen3 trainer sharded with FSDP2
+   over 2 gloo ranks and a vLLM engine (CPU, tensor parallel 2); each RL step generates
+   with vLLM, trains, refits, and checks vLLM against transformers and vLLM's own loader.
+3. A synthetic transformer state moves from a tp4 trainer to a tp2 x dp2 inference
    side on 8 local gloo processes with reshard, p2p and gather-and-broadcast, each
    verified bit for bit, timed against the floor.
 """
@@ -37,12 +41,19 @@ def brief_example() -> None:
 
 def main() -> int:
     brief_example()
+    print("2) RL refit: FSDP2 trainer (2 gloo ranks) -> vLLM engine (TP=2, CPU)", flush=True)
+    from .demo_rl import main as rl_main
+
+    status = rl_main([])
+    if status == 2:
+        print("   (vLLM is not installed: `make demo` installs it; skipping this part)")
     size = os.environ.get("RESHARD_DEMO_BYTES", "256MiB")
-    print(f"2) refit of a {size} synthetic transformer: trainer tp4 (ranks 0-3) -> inference "
-          "tp2 x dp2 (ranks 4-7)", flush=True)
+    print(f"\n3) refit of a {size} synthetic transformer: trainer tp4 (ranks 0-3) -> "
+          "inference tp2 x dp2 (ranks 4-7)", flush=True)
     from .cli import main as cli_main
 
-    return cli_main(["bench", "--src", "tp4", "--dst", "tp2,dp2", "--model-bytes", size])
+    bench = cli_main(["bench", "--src", "tp4", "--dst", "tp2,dp2", "--model-bytes", size])
+    return status if status == 1 else bench
 
 
 if __name__ == "__main__":
