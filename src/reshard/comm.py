@@ -10,7 +10,9 @@ their own world. Everything above this module is identical for both.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +49,16 @@ class Comm:
         return cls(_new_pg(store, rank, world_size, backend, timeout, device),
                    registered=False, store=store, backend=backend, timeout=timeout)
 
+    @classmethod
+    def from_existing_store(cls, store: Any, rank: int, world_size: int, *,
+                            backend: str = "gloo", timeout: timedelta = timedelta(minutes=5),
+                            device: Any = None, name: str = "reshard") -> Comm:
+        """A stateless group over a store that already exists (for example a
+        ``PrefixStore`` over a long-lived ``TCPStore``: one fresh group per membership
+        epoch, see :mod:`reshard.elastic`)."""
+        return cls(_new_pg(store, rank, world_size, backend, timeout, device),
+                   registered=False, store=store, backend=backend, timeout=timeout, name=name)
+
     # -- point to point ------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
                  recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
@@ -62,17 +74,38 @@ class Comm:
         return works + [self.pg.send([t], p, tag) for t, p in sends]
 
     # -- collectives ---------------------------------------------------------------------
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, timeout: timedelta | None = None) -> list[Any]:
+        """Every rank's ``obj``, in rank order. ``timeout`` bounds the whole call (the
+        group's own timeout bounds each of its two collectives otherwise)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         device = _device_for(self.backend)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.size)]
+        if timeout is not None:
+            from torch._C._distributed_c10d import AllgatherOptions
+
+            end = time.monotonic() + timeout.total_seconds()
+            opts = AllgatherOptions()
+            opts.timeout = timeout
+            self.pg.allgather([sizes], [size], opts).wait()
+            opts = AllgatherOptions()
+            opts.timeout = timedelta(seconds=max(end - time.monotonic(), 0.001))
+            return self._gather_payload(data, sizes, device, opts)
         self.pg.allgather([sizes], [size]).wait()
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[:data.numel()] = data.to(device)
         outs = [torch.empty_like(padded) for _ in range(self.size)]
         self.pg.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
+                for o, s in zip(outs, sizes)]
+
+    def _gather_payload(self, data, sizes, device, opts) -> list[Any]:
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[:data.numel()] = data.to(device)
+        outs = [torch.empty_like(padded) for _ in range(self.size)]
+        self.pg.allgather([outs], [padded], opts).wait()
         return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
                 for o, s in zip(outs, sizes)]
 
@@ -102,12 +135,30 @@ class Comm:
         return Comm(pg, registered=False, store=store, backend=self.backend,
                     timeout=self.timeout, name=prefix)
 
+    def abort(self) -> bool:
+        """Fail fast: close this rank's connections to every peer of a stateless gloo
+        group, so that each peer's pending operations with this rank fail at once
+        instead of at their deadline. The group is unusable afterwards. Gloo closes a
+        pair whose receive times out; a 1 ms receive per peer does exactly that. Does
+        nothing (returns False) on a registered group (the caller's own world) or NCCL."""
+        if self.registered or self.backend != "gloo":
+            return False
+        probe = torch.empty(1, dtype=torch.uint8)
+        for peer in range(self.size):
+            if peer != self.rank:
+                with suppress(RuntimeError):
+                    self.pg.recv([probe], peer, _ABORT_TAG).wait(timedelta(milliseconds=1))
+        return True
+
     def close(self) -> None:
         if not self.registered:
             for sub in self._subgroups.values():
                 if sub is not None:
                     sub.close()
             self.pg.shutdown() if hasattr(self.pg, "shutdown") else None
+
+
+_ABORT_TAG = (1 << 30) + 11  # never sent: receives on it only time out
 
 
 def _device_for(backend: str) -> torch.device:

@@ -29,12 +29,15 @@ class Executor:
     """One rank's reusable executor of one plan (schedules built once, reused per call)."""
 
     def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None) -> None:
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None,
+                 checksum: bool | str = False) -> None:
         """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
         fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
         see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
         directly) or ``gather_broadcast`` (the conventional path). ``budget_bytes`` caps
-        the staging memory a rank uses per round."""
+        the staging memory a rank uses per round. ``checksum`` (``True`` = ``"sum"``, or
+        ``"crc32"``) sends a digest of every message after it and raises
+        :class:`reshard.TransferError` on a receiving rank whose data arrived corrupt."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
         if budget_bytes < 1024:
@@ -46,6 +49,11 @@ class Executor:
         self.schedule = self._build(topology)
         self._runner = None if method == "gather_broadcast" else RankRunner(
             self.schedule, self.comm, dtypes=self.dtypes)
+        self.checksum = _checksum_kind(checksum)
+        if self.checksum is not None:
+            if self._runner is None:
+                raise ValueError("checksum is not supported by the gather_broadcast method")
+            self._runner.checksum = self.checksum
         self._baseline = None
         if method == "gather_broadcast":
             from .baseline import GatherBroadcast
@@ -89,6 +97,18 @@ class Executor:
             raise TensorMismatchError(f"rank {r}: {p}{more}; nothing was moved")
 
 
+def _checksum_kind(checksum: bool | str | None) -> str | None:
+    from .transport import CHECKSUMS
+
+    if checksum is None or checksum is False:
+        return None
+    kind = "sum" if checksum is True else checksum
+    if kind not in CHECKSUMS:
+        raise ValueError(f"unknown checksum {checksum!r}; expected True, False or one of "
+                         f"{CHECKSUMS}")
+    return kind
+
+
 def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
                   dst: Mapping[str, torch.Tensor]) -> str | None:
     """The first thing wrong with this rank's tensors, as a sentence, or None."""
@@ -125,12 +145,22 @@ def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], l
                 f"{list(expected)}")
     if str(tensor.dtype).removeprefix("torch.") != layout.dtype:
         return f"{side} tensor {name!r} has dtype {tensor.dtype}, its layout says {layout.dtype}"
+    if tensor.is_meta:
+        return f"{side} tensor {name!r} is on the meta device (it holds no data)"
+    if side == "destination":
+        if tensor.requires_grad and torch.is_grad_enabled():
+            return (f"destination tensor {name!r} requires grad: writing it in place would "
+                    "fail midway; pass tensor.detach() (it shares the memory)")
+        if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) == 1:
+            return (f"destination tensor {name!r} has elements sharing memory (an expanded "
+                    "or broadcast view); it cannot be written")
     return None
 
 
 def _aliasing(plan: Plan, rank: int, dst: Mapping[str, torch.Tensor]) -> str | None:
     seen: dict[tuple[int, int], str] = {}
     devices = set()
+    spans: list[tuple[int, int, int, str, torch.Tensor]] = []  # storage, start, stop, name
     for t in plan.tensors:
         tensor = dst.get(t.name) if rank in t.dst.rank_set else None
         if tensor is None or tensor.numel() == 0:
@@ -140,9 +170,55 @@ def _aliasing(plan: Plan, rank: int, dst: Mapping[str, torch.Tensor]) -> str | N
         if key in seen:
             return f"destination tensors {seen[key]!r} and {t.name!r} share memory"
         seen[key] = t.name
+        spans.append((*key[:1], *_span(tensor), t.name, tensor))
     if len(devices) > 1:
         return f"destination tensors are on several devices: {sorted(map(str, devices))}"
+    return _partial_overlap(spans)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte positions of ``t`` in its storage."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+
+def _partial_overlap(spans: list[tuple[int, int, int, str, torch.Tensor]]) -> str | None:
+    """Two destination tensors writing some of the same memory (views into one fused
+    buffer are fine as long as they are disjoint). Exact: tensors whose spans interleave
+    (strided views) are compared run by run, which only such views ever pay."""
+    spans.sort(key=lambda s: (s[0], s[1]))
+    for i, (storage, _start, stop, name, tensor) in enumerate(spans):
+        for storage2, start2, _, name2, tensor2 in spans[i + 1:]:
+            if storage2 != storage or start2 >= stop:
+                break
+            if (tensor.is_contiguous() and tensor2.is_contiguous()) or _runs_overlap(
+                    tensor, tensor2):
+                return f"destination tensors {name!r} and {name2!r} overlap in memory"
     return None
+
+
+def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Start byte of every contiguous run of ``t`` in its storage, and the run length."""
+    shape, stride = list(t.shape), list(t.stride())
+    run = 1
+    while shape and (shape[-1] == 1 or stride[-1] == run):
+        run *= shape.pop()
+        stride.pop()
+    starts = torch.tensor([t.storage_offset()], dtype=torch.int64)
+    for n, st in zip(shape, stride):
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+    return starts * t.element_size(), run * t.element_size()
+
+
+def _runs_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors without internal overlap share a byte: sorted by start, an
+    overlap always shows between neighbours."""
+    (sa, la), (sb, lb) = _runs(a), _runs(b)
+    starts = torch.cat([sa, sb])
+    ends = torch.cat([sa + la, sb + lb])
+    order = torch.argsort(starts)
+    starts, ends = starts[order], ends[order]
+    return bool((starts[1:] < ends[:-1]).any())
 
 
 def execute(plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,

@@ -10,6 +10,7 @@ planner only ever looks at that.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
@@ -64,8 +65,12 @@ class LocalView:
     @classmethod
     def of(cls, local_shape: Sequence[int], pieces: Sequence[Any]) -> LocalView:
         """Build from tuples ``(offset, size, local_offset)`` or :class:`Piece` objects."""
-        made = tuple(p if isinstance(p, Piece) else Piece(*map(tuple, p)) for p in pieces)
-        return cls(tuple(local_shape), made)
+        try:
+            made = tuple(p if isinstance(p, Piece) else Piece(*map(tuple, p)) for p in pieces)
+            return cls(tuple(local_shape), made)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"expected a local shape and pieces (offset, size, "
+                              f"local_offset), got {local_shape!r}, {pieces!r} ({e})") from None
 
 
 Segments = tuple[tuple[int, int], ...]  # (global start, length) runs, in local order
@@ -139,6 +144,9 @@ class Layout:
         self.shape = _check_shape(shape)
         self.dtype = dtype_name(dtype)
         self.mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+        if isinstance(placements, str) or not hasattr(placements, "__iter__"):
+            raise LayoutError(f"expected a sequence of placements (one per mesh dim), got "
+                              f"{placements!r}")
         self.placements = tuple(as_placement(p) for p in placements)
         self._explicit: tuple[LocalView, ...] | None = None
         self._check_placements()
@@ -147,17 +155,20 @@ class Layout:
     def explicit(cls, shape: Sequence[int], views: Mapping[int, LocalView | tuple],
                  dtype: Any = "float32") -> Layout:
         """Each rank's :class:`LocalView` (or ``(local_shape, pieces)``) given directly."""
+        if not isinstance(views, Mapping):
+            raise LayoutError(f"expected a mapping rank -> LocalView or (local_shape, pieces), "
+                              f"got {type(views).__name__}")
         if not views:
             raise LayoutError("an explicit layout needs at least one rank")
         self = cls.__new__(cls)
         self.shape = _check_shape(shape)
         self.dtype = dtype_name(dtype)
+        if not all(isinstance(r, int) for r in views):
+            raise LayoutError(f"explicit layout ranks must be ints, got {list(views)!r}")
         ranks = sorted(views)
         self.mesh = Mesh(ranks)
         self.placements = None
-        self._explicit = tuple(
-            v if isinstance(v, LocalView) else LocalView.of(*v) for v in (views[r] for r in ranks)
-        )
+        self._explicit = tuple(_as_view(r, views[r]) for r in ranks)
         from ._validate import check_explicit
 
         check_explicit(self)
@@ -280,6 +291,26 @@ class Layout:
                     f"tensor of shape {list(self.shape)} has {len(self.shape)} dims")
 
 
+def _as_view(rank: int, v: Any) -> LocalView:
+    """A LocalView from what the caller gave, or a LayoutError saying what is wrong."""
+    if not isinstance(v, LocalView):
+        try:
+            local_shape, pieces = v
+            v = LocalView.of(local_shape, pieces)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"rank {rank}: expected a LocalView or (local_shape, [(offset, "
+                              f"size, local_offset), ...]), got {v!r} ({e})") from None
+    fields = [v.local_shape] + [f for p in v.pieces if isinstance(p, Piece)
+                                for f in (p.offset, p.size, p.local_offset)]
+    if not all(isinstance(p, Piece) for p in v.pieces) or not all(
+            isinstance(f, tuple) and all(isinstance(n, int) and not isinstance(n, bool)
+                                         and n >= 0 for n in f)
+            for f in fields):
+        raise LayoutError(f"rank {rank}: local shapes, offsets and sizes must be tuples of "
+                          f"ints >= 0, got {v!r}")
+    return v
+
+
 def _nest(flat: Sequence[int], shape: Sequence[int]) -> list:
     out: list = list(flat)
     for size in reversed(shape[1:]):
@@ -294,7 +325,9 @@ def box_slices(offset: Sequence[int], size: Sequence[int]) -> tuple[slice, ...]:
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     if hasattr(shape, "__iter__"):
-        shape = tuple(shape)
-    if not isinstance(shape, tuple) or any(not isinstance(n, int) or n < 0 for n in shape):
+        with suppress(TypeError):
+            shape = tuple(shape)
+    if not isinstance(shape, tuple) or any(not isinstance(n, int) or isinstance(n, bool)
+                                           or n < 0 for n in shape):
         raise LayoutError(f"expected a shape of ints >= 0, got {shape!r}")
     return shape

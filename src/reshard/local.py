@@ -22,6 +22,9 @@ def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
     """
     import torch
 
+    if not isinstance(src_locals, Mapping):
+        raise TensorMismatchError(f"expected a mapping rank -> source local tensor(s), got "
+                                  f"{type(src_locals).__name__}")
     single = len(plan.tensors) == 1 and plan.tensors[0].name == "tensor"
     srcs = {r: ({"tensor": v} if single else v) for r, v in src_locals.items()}
     out: dict[int, dict[str, Any]] = {}
@@ -37,11 +40,16 @@ def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
 
 
 def _source(srcs: Mapping[int, Mapping[str, Any]], t, rank: int):
+    import torch
+
     try:
         tensor = srcs[rank][t.name]
-    except KeyError:
+    except (KeyError, TypeError, IndexError):
         raise TensorMismatchError(
             f"tensor {t.name!r}: no source local tensor given for rank {rank}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise TensorMismatchError(f"tensor {t.name!r}: rank {rank} source is a "
+                                  f"{type(tensor).__name__}, expected a torch.Tensor")
     expected = t.src.local_shape(rank)
     if tuple(tensor.shape) != expected:
         raise TensorMismatchError(

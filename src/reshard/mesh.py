@@ -20,7 +20,7 @@ def _flatten(ranks: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise LayoutError(f"expected a (nested) sequence of ranks, got the int {ranks}")
     if isinstance(ranks, range):
         ranks = list(ranks)
-    if not isinstance(ranks, Sequence) or not ranks:
+    if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence) or not ranks:
         raise LayoutError(f"expected a non-empty (nested) sequence of ranks, got {ranks!r}")
     if all(isinstance(r, int) for r in ranks):
         return (len(ranks),), tuple(ranks)
@@ -46,11 +46,14 @@ class Mesh:
         shape, flat = _flatten(ranks)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "ranks", flat)
+        if dim_names and (isinstance(dim_names, str) or not isinstance(dim_names, Sequence)
+                          or not all(isinstance(n, str) for n in dim_names)):
+            raise LayoutError(f"mesh dim names must be a sequence of strings, got {dim_names!r}")
         object.__setattr__(self, "dim_names", tuple(dim_names) if dim_names else None)
         self._validate()
 
     def _validate(self) -> None:
-        if any(not isinstance(r, int) or r < 0 for r in self.ranks):
+        if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in self.ranks):
             raise LayoutError(f"mesh ranks must be ints >= 0, got {list(self.ranks)}")
         if len(set(self.ranks)) != len(self.ranks):
             seen: set[int] = set()
@@ -66,6 +69,11 @@ class Mesh:
     def from_shape(cls, shape: Sequence[int], *, start: int = 0,
                    dim_names: Sequence[str] | None = None) -> Mesh:
         """Row-major mesh of ``prod(shape)`` consecutive ranks from ``start``."""
+        if (isinstance(shape, str) or not isinstance(shape, Sequence)
+                or not all(isinstance(n, int) and n > 0 for n in shape)
+                or not isinstance(start, int)):
+            raise LayoutError(f"expected a mesh shape of ints > 0 and an int start, got "
+                              f"{shape!r}, {start!r}")
         flat = list(range(start, start + prod(shape)))
         for size in reversed(shape[1:]):
             flat = [flat[i:i + size] for i in range(0, len(flat), size)]

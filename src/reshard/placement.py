@@ -40,7 +40,7 @@ class Shard:
     dim: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dim, int) or self.dim < 0:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise LayoutError(f"Shard dim must be an int >= 0, got {self.dim!r}")
 
     def __str__(self) -> str:
@@ -60,9 +60,10 @@ class StridedShard:
     split_factor: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dim, int) or self.dim < 0:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise LayoutError(f"StridedShard dim must be an int >= 0, got {self.dim!r}")
-        if not isinstance(self.split_factor, int) or self.split_factor < 1:
+        if (not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool)
+                or self.split_factor < 1):
             raise LayoutError(
                 f"StridedShard split_factor must be an int >= 1, got {self.split_factor!r}"
             )

@@ -140,6 +140,9 @@ def plan(src: Layout | Mapping[str, Layout], dst: Layout | Mapping[str, Layout],
         src, dst = {"tensor": src}, {"tensor": dst}
     elif isinstance(src, Layout) or isinstance(dst, Layout):
         raise PlanError("expected two Layouts or two name -> Layout mappings, got one of each")
+    elif not isinstance(src, Mapping) or not isinstance(dst, Mapping):
+        raise PlanError(f"expected two Layouts or two name -> Layout mappings, got "
+                        f"{type(src).__name__} and {type(dst).__name__}")
     _check_names(src, dst)
     with _gc_paused():
         return _plan_all(src, dst, allow_cast)

@@ -11,12 +11,22 @@ a timeout, a sender raising) leaves the previous version in place on every rank 
 raises a :class:`reshard.TransferError`. The shadow costs one extra copy of the
 receiving rank's parameters; ``staging="none"`` writes in place instead (no extra
 memory, but a failed refit may leave weights torn).
+
+Lost workers (see ``docs/reliability.md``): with ``refit_timeout`` every wait of a refit
+ends by one deadline (gloo), so a dead or stuck peer is a ``TransferError`` within that
+time on every surviving rank, never a hang. A refit that failed in the transport (a
+peer lost, a deadline passed) marks the group ``broken``: later refits refuse at once
+until :meth:`reconnect` meets again at a new address (same or new inference size; a
+restarted worker joins with a fresh receiver) and rebuilds plans and executors while
+keeping the current version. ``checksum`` sends a digest of every message and fails the
+refit cleanly on corruption.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -61,19 +71,70 @@ class _Side:
     """What sender and receiver share: the meeting, the plan(s), executors, commit."""
 
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
-                 budget_bytes: int, progress: bool | Callable[[int, int], None]) -> None:
-        self.meeting, self.comm, self.rank = meeting, meeting.comm, meeting.rank
+                 budget_bytes: int, progress: bool | Callable[[int, int], None],
+                 refit_timeout: timedelta | None = None, checksum: bool | str = False) -> None:
         self.version = 0
-        self.executors = []
+        self.broken = False  # a refit failed in the transport: reconnect() before the next
+        self.pending: int | None = None  # a version received whole whose commit is in doubt
+        self.refit_timeout, self.checksum = refit_timeout, checksum
+        self._options = (policy, budget_bytes, progress)
+        self._setup(meeting)
+
+    def _setup(self, meeting: Meeting) -> None:
+        """Plans and executors for a meeting (the first one or a reconnect)."""
+        policy = self._options[0]
+        self.meeting, self.comm, self.rank = meeting, meeting.comm, meeting.rank
+        self.executors = self._build_executors(meeting)
+        # one collective: both sides agree on the checksum option (a digest nobody reads
+        # would hang) and learn the newest version any rank committed (see _reconciled)
+        kind = _checksum_kind(self.checksum)
+        problem = (f"rank {self.rank}: checksum does not cover the gather_broadcast policy"
+                   if kind and policy and "gather_broadcast" in set(policy.values()) else None)
+        views = self.comm.all_gather_object((kind, problem, self.version))
+        problems = [p for _, p, _ in views if p]
+        if problems or len({k for k, _, _ in views}) > 1:
+            raise ReshardError(problems[0] if problems else "the ranks disagree on the "
+                               f"checksum option: {[k for k, _, _ in views]}; nothing was "
+                               "moved")
+        self._reconciled(max(v for _, _, v in views))
+        self.pending = None
+
+    def _build_executors(self, meeting: Meeting) -> list[Executor]:
+        """One executor per policy method (``reshard`` for every tensor by default)."""
+        policy, budget_bytes, progress = self._options
+        executors = []
         for method, sub in _split_by_policy(meeting.plan, policy or {}).items():
-            ex = Executor(sub, self.comm, method=method, budget_bytes=budget_bytes)
+            ex = Executor(sub, self.comm, method=method, budget_bytes=budget_bytes,
+                          checksum=self.checksum if method != "gather_broadcast" else False)
             if ex._runner is not None and progress:
                 ex._runner.progress = progress if callable(progress) else _print_progress
-            self.executors.append(ex)
+            executors.append(ex)
+        return executors
 
-    def _check(self, src, dst, proposed: int | None) -> int:
+    def _deadline(self) -> float | None:
+        if self.refit_timeout is None:
+            return None
+        return time.monotonic() + self.refit_timeout.total_seconds()
+
+    @staticmethod
+    def _left(deadline: float | None, floor: float = 0.0) -> timedelta | None:
+        if deadline is None:
+            return None
+        return timedelta(seconds=max(deadline - time.monotonic(), floor, 0.001))
+
+    def _check(self, src, dst, proposed: int | None, deadline: float | None = None) -> int:
+        if self.broken:
+            raise TransferError(f"rank {self.rank}: the weight-update group is broken since a "
+                                "refit failed in the transport; call reconnect() first; "
+                                "nothing was moved")
         problem = local_problem(self.meeting.plan, self.rank, src, dst)
-        views = self.comm.all_gather_object((self.rank, problem, proposed, self.version))
+        try:
+            views = self.comm.all_gather_object((self.rank, problem, proposed, self.version),
+                                                **_timeout(self._left(deadline)))
+        except RuntimeError as e:
+            self._break()
+            raise TransferError(f"rank {self.rank}: the weight-update group is broken "
+                                f"({str(e).splitlines()[0]}); nothing was moved") from e
         problems = [(r, p) for r, p, _, _ in views if p]
         if problems:
             raise TensorMismatchError(f"rank {problems[0][0]}: {problems[0][1]}; nothing "
@@ -87,10 +148,13 @@ class _Side:
 
     def _move(self, src, dst, proposed: int | None) -> RefitStats:
         t0 = time.perf_counter()
-        version = self._check(src, dst, proposed)
+        deadline = self._deadline()
+        version = self._check(src, dst, proposed, deadline)
         error: BaseException | None = None
         sent = received = rounds = 0
         for ex in self.executors:
+            if ex._runner is not None:
+                ex._runner.deadline = deadline
             try:
                 s = ex.run(src, dst, check=False)
                 sent, received, rounds = (sent + s.bytes_sent, received + s.bytes_received,
@@ -98,23 +162,76 @@ class _Side:
             except TransferError as e:
                 error = e
                 break
-        self._commit(error)
+        broken = any(ex._runner is not None and ex._runner.broken for ex in self.executors)
+        if broken:  # tell every peer now (their waits fail at once), then the commit fails
+            self._break()
+        self._commit(error, broken=broken, deadline=deadline, version=version)
         return RefitStats(version, time.perf_counter() - t0, sent, received, rounds)
 
-    def _commit(self, error: BaseException | None) -> None:
-        """Every rank says whether its part arrived whole; any failure aborts all."""
+    def _commit(self, error: BaseException | None, *, broken: bool = False,
+                deadline: float | None = None, version: int | None = None) -> None:
+        """Every rank says whether its part arrived whole; any failure aborts all. A
+        transport failure anywhere marks the group broken on every rank that hears of it."""
         try:
-            views = self.comm.all_gather_object((self.rank, None if error is None else
-                                                 str(error)))
+            views = self.comm.all_gather_object(
+                (self.rank, None if error is None else str(error), broken),
+                **_timeout(self._left(deadline, floor=_COMMIT_GRACE_S)))
         except Exception as e:
+            self._break()
+            if error is None and version is not None:
+                self._in_doubt(version)
+            why = str(error if error is not None else e).splitlines()[0]
             raise TransferError(f"rank {self.rank}: refit aborted, the group is broken "
-                                f"({str(e).splitlines()[0]}); the previous version stays "
-                                "in place") from (error or e)
-        failed = [(r, msg) for r, msg in views if msg]
+                                f"({why}); the previous version stays in place"
+                                ) from (error or e)
+        self.broken = self.broken or any(b for _, _, b in views)
+        failed = [(r, msg) for r, msg, _ in views if msg]
         if failed:
             raise TransferError(f"refit aborted on every rank because rank {failed[0][0]} "
                                 f"failed: {failed[0][1]}; the previous version stays in "
                                 "place") from error
+
+    def _break(self) -> None:
+        """The group failed in the transport: mark it broken and close this rank's
+        connections, so every peer's pending wait fails now rather than at its deadline."""
+        if not self.broken:
+            self.broken = True
+            with suppress(Exception):
+                self.comm.abort()
+
+    def _in_doubt(self, version: int) -> None:
+        """This rank's part of ``version`` arrived whole but the commit did not reach it."""
+
+    # -- rebuilding after a lost worker --------------------------------------------------
+    def _remeet(self, host: str, port: int, *, rank: int | None, trainer_size: int | None,
+                inference_size: int | None, timeout: timedelta | None) -> None:
+        args = dict(self._meet_args)
+        args.update({k: v for k, v in (("side_rank", rank), ("trainer_size", trainer_size),
+                                       ("inference_size", inference_size),
+                                       ("timeout", timeout)) if v is not None})
+        old = self.comm
+        with suppress(Exception):  # the old group may hold dead peers; never wait on it
+            old.close()
+        meeting = meet(host, port, **args)
+        self._meet_args = args
+        self.broken = False
+        self._setup(meeting)
+
+    def _reconciled(self, committed: int) -> None:
+        """After a reconnect: ``committed`` is the newest version any rank committed."""
+
+
+_COMMIT_GRACE_S = 1.0  # a rank that hit the deadline still tells its peers, this long
+
+
+def _timeout(left: timedelta | None) -> dict[str, timedelta]:
+    return {} if left is None else {"timeout": left}
+
+
+def _checksum_kind(checksum: bool | str) -> str | None:
+    from .executor import _checksum_kind as kind
+
+    return kind(checksum)
 
 
 class RefitSender(_Side):
@@ -126,14 +243,23 @@ class RefitSender(_Side):
                  policy: Mapping[str, str] | None = None,
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, backend: str = "gloo",
                  timeout: timedelta = timedelta(seconds=120),
-                 progress: bool | Callable[[int, int], None] = False) -> None:
+                 progress: bool | Callable[[int, int], None] = False,
+                 refit_timeout: timedelta | None = None,
+                 connect_timeout: timedelta | None = None,
+                 checksum: bool | str = False) -> None:
+        """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
+        bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
+        ends by one deadline); ``checksum`` (``True``/``"sum"`` or ``"crc32"``) checks
+        every message, on both sides alike."""
         self.params = params
         if layouts is None:
             _, layouts = layouts_of(params)
-        meeting = meet(host, port, side="trainer", side_rank=rank, trainer_size=trainer_size,
-                       inference_size=inference_size, layouts=layouts, backend=backend,
-                       timeout=timeout)
-        super().__init__(meeting, policy=policy, budget_bytes=budget_bytes, progress=progress)
+        self._meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
+                               inference_size=inference_size, layouts=layouts,
+                               backend=backend, timeout=connect_timeout or timeout)
+        meeting = meet(host, port, **self._meet_args)
+        super().__init__(meeting, policy=policy, budget_bytes=budget_bytes, progress=progress,
+                         refit_timeout=refit_timeout, checksum=checksum)
         self.explicit_layouts = layouts is not None
 
     def refit(self, version: int) -> RefitStats:
@@ -142,6 +268,15 @@ class RefitSender(_Side):
         stats = self._move(src, {}, version)
         self.version = stats.version
         return stats
+
+    def reconnect(self, host: str, port: int, *, inference_size: int | None = None,
+                  timeout: timedelta | None = None) -> None:
+        """Meet the inference side again at ``host:port`` (a new address: the old group
+        is dropped) after a lost worker; the plan is rebuilt for ``inference_size`` (the
+        same as before by default). Collective with every receiver's :meth:`reconnect`
+        or a fresh :class:`RefitReceiver`. ``timeout`` bounds the meeting."""
+        self._remeet(host, port, rank=None, trainer_size=None, inference_size=inference_size,
+                     timeout=timeout)
 
 
 class RefitReceiver(_Side):
@@ -152,14 +287,20 @@ class RefitReceiver(_Side):
                  host: str, port: int, rank: int, trainer_size: int, inference_size: int,
                  staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
-                 progress: bool | Callable[[int, int], None] = False) -> None:
+                 progress: bool | Callable[[int, int], None] = False,
+                 refit_timeout: timedelta | None = None,
+                 connect_timeout: timedelta | None = None,
+                 checksum: bool | str = False) -> None:
+        """The timeouts and ``checksum`` are as for :class:`RefitSender`."""
         if staging not in ("shadow", "none"):
             raise ValueError(f"staging must be 'shadow' or 'none', got {staging!r}")
         self.targets, self.staging = dict(targets), staging
-        meeting = meet(host, port, side="inference", side_rank=rank, trainer_size=trainer_size,
-                       inference_size=inference_size, layouts=layouts, backend=backend,
-                       timeout=timeout)
-        super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress)
+        self._meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
+                               inference_size=inference_size, layouts=layouts,
+                               backend=backend, timeout=connect_timeout or timeout)
+        meeting = meet(host, port, **self._meet_args)
+        super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
+                         refit_timeout=refit_timeout, checksum=checksum)
         # a clone, not empty: regions no layout covers (vocabulary padding) must keep their
         # live values when the shadow is copied over
         self.shadow = ({n: t.detach().clone() for n, t in self.targets.items()}
@@ -181,6 +322,35 @@ class RefitReceiver(_Side):
                     live.copy_(self.shadow[name])
         self.version = stats.version
         return stats
+
+    def reconnect(self, host: str, port: int, *, rank: int | None = None,
+                  inference_size: int | None = None, timeout: timedelta | None = None,
+                  targets: Mapping[str, torch.Tensor] | None = None,
+                  layouts: Mapping[str, Layout] | None = None) -> None:
+        """Meet the trainer again at ``host:port`` after a lost worker (see
+        :meth:`RefitSender.reconnect`); the live weights and ``version`` are kept. A
+        version whose commit this rank never heard of (the group broke during the final
+        collective) is made live here if another rank committed it. ``rank``,
+        ``targets`` and ``layouts`` change this rank's place (a resized inference side)."""
+        if layouts is not None:
+            self._meet_args["layouts"] = layouts
+        self._remeet(host, port, rank=rank, trainer_size=None, inference_size=inference_size,
+                     timeout=timeout)
+        if targets is not None:
+            self.targets = dict(targets)
+        if self.staging == "shadow":  # fresh memory: nothing of the old group can write it
+            self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
+
+    def _in_doubt(self, version: int) -> None:
+        if self.staging == "shadow":
+            self.pending = version
+
+    def _reconciled(self, committed: int) -> None:
+        if self.pending is not None and committed >= self.pending > self.version:
+            with torch.no_grad():
+                for name, live in self.targets.items():
+                    live.copy_(self.shadow[name])
+            self.version = self.pending
 
 
 def _locals(params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:

@@ -4,12 +4,21 @@ Per round, everything this rank sends to one peer is packed into one contiguous 
 buffer and everything it receives from one peer arrives in one; sends and receives of
 the round are posted together (``batch_isend_irecv``), then received bytes are
 unpacked straight into the destination tensors. Works on any backend and device.
+
+Two options, both off by default: a ``deadline`` (every wait of a run ends by then, on
+gloo; a lost peer is a :class:`TransferError`, not a hang) and a per-message
+``checksum`` (every message's digest is sent after the data; a mismatch is a
+``TransferError`` on the receiving rank once every message has arrived, so the protocol
+stays whole and the group stays usable). See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
+import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,6 +29,8 @@ from .layout import box_slices
 from .schedule import DEST, Hop, Schedule
 
 _ALIGN = 16
+_DIGEST_TAG = (1 << 30) + 7  # the checksum messages' tag, above any round number
+CHECKSUMS = ("sum", "crc32")
 
 
 @dataclass
@@ -59,6 +70,11 @@ class RankRunner:
         self.stats = RunStats()
         self.progress: Callable[[int, int], None] | None = None
         self.read_error: BaseException | None = None
+        # reliability options (off by default; see the module docstring)
+        self.deadline: float | None = None  # time.monotonic() by which every wait ends
+        self.checksum: str | None = None  # None, "sum" or "crc32"
+        self.on_receive: Callable[[int, int, torch.Tensor], None] | None = None  # test hook
+        self.broken = False  # the last run failed in the transport: the group is unusable
 
     def _split_round(self, k: int, hops: list[Hop]):
         sends: dict[int, list[Hop]] = {}
@@ -105,6 +121,9 @@ class RankRunner:
         self.src, self.dst, self.stats = src, dst, RunStats()
         self.device = _device_of(src, dst)
         self.read_error = None
+        self.broken = False
+        self._digests: dict[tuple[str, int], dict[int, int]] = {}  # (send|recv, peer) -> k -> d
+        self._early_meta: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         send_arena, recv_arena = self._arenas()
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
         total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
@@ -116,12 +135,16 @@ class RankRunner:
                 self.stats.rounds += 1
                 if self.progress is not None:
                     self.progress(self.stats.bytes_sent, total)
-            for works in early.values():
-                for w in works:
-                    w.wait()
+            for k, works in early.items():
+                self._finish_early(k, works)
+            mismatch = self._exchange_digests() if self.checksum else None
         except RuntimeError as e:  # a peer died or timed out
+            self.broken = True
             raise TransferError(f"rank {self.rank}: transfer failed in round "
                                 f"{self.stats.rounds}: {str(e).splitlines()[0]}") from e
+        if mismatch:
+            raise TransferError(f"rank {self.rank}: {mismatch}; the received data is corrupt "
+                                "and this refit must be discarded")
         if self.read_error is not None:
             raise TransferError(f"rank {self.rank}: reading a source tensor failed midway "
                                 f"({self.read_error!r}); its peers got placeholder bytes and "
@@ -139,6 +162,7 @@ class RankRunner:
                 if buf is not None:
                     self._direct[k, "recv", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange((), [(buf, peer)], k))
+                    self._early_meta.setdefault(k, []).append(("recv", peer, buf))
                     self.stats.bytes_received += hops[0].nbytes
             for peer, _, _, hops, _ in sends[0]:
                 if hops[0].read_from == DEST:
@@ -147,6 +171,9 @@ class RankRunner:
                 if buf is not None:
                     self._direct[k, "send", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange([(buf, peer)], (), k))
+                    self._early_meta.setdefault(k, []).append(("send", peer, buf))
+                    if self.checksum:
+                        self._note("send", k, peer, buf)
                     self._count_sent(peer, hops)
         return early
 
@@ -163,8 +190,7 @@ class RankRunner:
         send_works = []
         if any(hops[0].read_from == DEST for *_, hops, _ in sends):
             for j in [j for j in early if j < k]:  # forwards need their bytes in place
-                for w in early.pop(j):
-                    w.wait()
+                self._finish_early(j, early.pop(j))
         for peer, a, b, hops, offsets in sends:  # pack one peer, post it, pack the next
             if (k, "send", peer) in self._direct:
                 continue
@@ -179,6 +205,8 @@ class RankRunner:
                     self.read_error = self.read_error or e
                     buf.zero_()
             send_works += self.comm.exchange([(buf, peer)], (), k)
+            if self.checksum:  # while it travels (the buffer is only read)
+                self._note("send", k, peer, buf)
             self._count_sent(peer, hops)
         for h in local:  # local copies overlap the messages in flight
             try:
@@ -186,15 +214,75 @@ class RankRunner:
             except Exception as e:
                 self.read_error = self.read_error or e
             self.stats.bytes_local += h.nbytes
-        for work, (_, a, _, hops, offsets) in zip(recv_works, packed_recvs):
-            work.wait()
+        if len(recv_works) != len(packed_recvs):  # one coalesced work for all (NCCL)
+            for work in recv_works:
+                self._wait(work)
+            recv_works = [None] * len(packed_recvs)
+        for work, (peer, a, b, hops, offsets) in zip(recv_works, packed_recvs):
+            if work is not None:
+                self._wait(work)
+            if self.on_receive is not None or self.checksum:
+                self._arrived(k, peer, recv_arena[a:b])
             buf = recv_arena[a:]
             for h, off in zip(hops, offsets):
                 dst = self._dst_view(h)
                 dst.copy_(buf[off:off + h.nbytes].view(dst.dtype).view(h.size))
                 self.stats.bytes_received += h.nbytes
         for work in send_works:
+            self._wait(work)
+
+    # -- deadline and checksums ----------------------------------------------------------
+    def _wait(self, work: Any) -> None:
+        """Wait for one message; with a deadline (gloo), never past it."""
+        if self.deadline is None:
             work.wait()
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError("the refit deadline passed while waiting for a message")
+        if self.comm.backend == "gloo":
+            work.wait(timedelta(seconds=left))
+        else:  # NCCL: wait() only orders streams; its watchdog enforces the group timeout
+            work.wait()
+
+    def _finish_early(self, k: int, works: list[Any]) -> None:
+        meta = self._early_meta.get(k, [])
+        for i, w in enumerate(works):
+            self._wait(w)
+            if i < len(meta) and meta[i][0] == "recv" and (self.on_receive is not None
+                                                           or self.checksum):
+                self._arrived(k, meta[i][1], meta[i][2])
+
+    def _arrived(self, k: int, peer: int, buf: torch.Tensor) -> None:
+        if self.on_receive is not None:
+            self.on_receive(k, peer, buf)
+        if self.checksum:
+            self._note("recv", k, peer, buf)
+
+    def _note(self, kind: str, k: int, peer: int, buf: torch.Tensor) -> None:
+        self._digests.setdefault((kind, peer), {})[k] = digest(buf, self.checksum or "sum")
+
+    def _exchange_digests(self) -> str | None:
+        """Send every peer the digests of the messages sent to it, in round order; compare
+        those received with the digests of what arrived. Returns the first mismatch."""
+        sends, recvs, theirs = [], [], {}
+        for (kind, peer), by_round in sorted(self._digests.items()):
+            values = [by_round[k] for k in sorted(by_round)]
+            if kind == "send":
+                sends.append((torch.tensor(values, dtype=torch.int64, device=self.device), peer))
+            else:
+                theirs[peer] = torch.empty(len(values), dtype=torch.int64, device=self.device)
+                recvs.append((theirs[peer], peer))
+        works = self.comm.exchange(sends, recvs, _DIGEST_TAG)
+        for w in works:
+            self._wait(w)
+        for peer, got in theirs.items():
+            mine = self._digests["recv", peer]
+            for k, expected in zip(sorted(mine), got.tolist()):
+                if mine[k] != expected:
+                    return (f"checksum mismatch on the message from rank {peer} in round {k} "
+                            f"({self.checksum}: sent {expected:#x}, received {mine[k]:#x})")
+        return None
 
     def _direct_src(self, hops: list[Hop]) -> torch.Tensor | None:
         """The source region itself as the message, when it alone makes the message and
@@ -207,14 +295,14 @@ class RankRunner:
             return None
         if not view.is_contiguous() or view.dtype != self.dtypes[hops[0].name]:
             return None
-        return view.reshape(-1).view(torch.uint8)
+        return _flat_bytes(view)
 
     def _direct_dst(self, hops: list[Hop]) -> torch.Tensor | None:
         """The destination region itself as the receive buffer, when it can be."""
         if len(hops) != 1:
             return None
         view = self._dst_view(hops[0])
-        return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
+        return _flat_bytes(view) if view.is_contiguous() else None
 
     def _read(self, h: Hop) -> torch.Tensor:
         tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
@@ -222,6 +310,15 @@ class RankRunner:
 
     def _dst_view(self, h: Hop) -> torch.Tensor:
         return self.dst[h.name][box_slices(h.dst_offset, h.size)]
+
+
+def _flat_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor. A size-1 dim may carry any
+    stride and ``reshape(-1)`` keeps it, which a dtype view refuses: restride instead."""
+    flat = view.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def _arena_layout(by_peer: dict[int, list[Hop]]):
@@ -247,3 +344,33 @@ def _device_of(*maps: Mapping[str, torch.Tensor]) -> torch.device:
         for t in m.values():
             return t.device
     return torch.device("cpu")
+
+
+def digest(buf: torch.Tensor, kind: str = "sum") -> int:
+    """A message's checksum, a function of its bytes alone (not of where they sit).
+
+    ``"sum"``: the wrapping int64 sum of the 8-byte words plus a position-weighted sum of
+    512-word block sums (order across blocks counts) and of the trailing bytes; one pass,
+    on the tensor's own device. ``"crc32"``: zlib's CRC-32 (on the host). Any single bit
+    flip changes either; only the CRC also sees reorders inside a 4 KiB block."""
+    if kind == "crc32":
+        data = buf.detach().reshape(-1).view(torch.uint8)
+        return zlib.crc32(data.cpu().numpy()) if data.numel() else 0
+    if kind != "sum":
+        raise ValueError(f"unknown checksum {kind!r}; expected one of {CHECKSUMS}")
+    data = buf.detach().reshape(-1).view(torch.uint8)
+    n = data.numel()
+    head = n - n % 8
+    body = data[:head]
+    if head and body.storage_offset() % 8:  # an int64 view needs an 8-byte aligned start
+        body = body.clone()
+    words = body.view(torch.int64)
+    m = head // 8 // 512 * 512
+    blocks = words[:m].view(-1, 512).sum(1)
+    weights = torch.arange(1, blocks.numel() + 1, dtype=torch.int64, device=data.device)
+    tail = data[head:].to(torch.int64)
+    tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=data.device)
+    total, pos, rest = torch.stack([blocks.sum() + words[m:].sum(), (blocks * weights).sum(),
+                                    (tail * tail_w * 257).sum()]).tolist()
+    d = (total + pos * 0x9E3779B97F4A7C15 + rest * 0xC2B2AE3D27D4EB4F + n) % (1 << 64)
+    return d - (1 << 64) if d >= 1 << 63 else d
