@@ -15,6 +15,7 @@ import torch
 from .comm import Comm
 from .layout import box_slices
 from .plan import Plan, TensorPlan
+from .stats import distinct_shard_slots
 from .transport import RunStats
 
 __all__ = ["GatherBroadcast"]
@@ -35,6 +36,11 @@ def _buckets(plan: Plan, bucket_bytes: int) -> list[list[TensorPlan]]:
     return out
 
 
+def _gather_slots(bucket: list[TensorPlan]) -> list[int]:
+    """Source slots whose shards together hold every tensor of the bucket (one replica)."""
+    return sorted(set().union(*(distinct_shard_slots(t.src) for t in bucket)))
+
+
 class GatherBroadcast:
     """One rank's executor of the gather-and-broadcast baseline for one plan."""
 
@@ -45,21 +51,24 @@ class GatherBroadcast:
         self.groups = []
         for bucket in self.buckets:  # same order on every rank
             t = bucket[0]
-            root = min(t.src.ranks)
-            gather = comm.subgroup(t.src.ranks) if len(t.src.ranks) > 1 else None
+            slots = _gather_slots(bucket)
+            ranks = [t.src.ranks[s] for s in slots]
+            root = min(ranks)
+            gather = comm.subgroup(ranks) if len(ranks) > 1 else None
             bcast_ranks = sorted({root} | t.dst.rank_set)
             bcast = comm.subgroup(bcast_ranks) if len(bcast_ranks) > 1 else None
-            self.groups.append((root, gather, bcast, bcast_ranks))
+            self.groups.append((root, gather, bcast, bcast_ranks, slots, ranks))
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
         stats = RunStats()
         device = next(iter([*src.values(), *dst.values()]), torch.empty(0)).device
-        for bucket, (root, gather, bcast, bcast_ranks) in zip(self.buckets, self.groups):
-            if self.rank not in bcast_ranks and self.rank not in bucket[0].src.rank_set:
+        for bucket, group in zip(self.buckets, self.groups):
+            root, gather, bcast, bcast_ranks, slots, ranks = group
+            if self.rank not in bcast_ranks and self.rank not in ranks:
                 continue
             full = None
-            if self.rank in bucket[0].src.rank_set:
-                full = self._gather(bucket, src, gather, root, device, stats)
+            if self.rank in ranks:
+                full = self._gather(bucket, src, gather, root, slots, device, stats)
             if bcast is not None:
                 full = self._broadcast(bucket, full, bcast, bcast_ranks.index(root), device,
                                        stats)
@@ -70,14 +79,15 @@ class GatherBroadcast:
             stats.rounds += 1
         return stats
 
-    def _gather(self, bucket, src, gather: Comm | None, root: int, device, stats):
-        """All-gather the bucket's shards; the root rebuilds the full tensors."""
+    def _gather(self, bucket, src, gather: Comm | None, root: int, slots, device, stats):
+        """All-gather the bucket's shards over one replica of the source; the root
+        rebuilds the full tensors."""
         fulls = [torch.empty(t.src.shape, dtype=src[t.name].dtype, device=device)
                  for t in bucket]
         if gather is None:
-            locals_by_slot = {0: [src[t.name] for t in bucket]}
+            locals_by_slot = {slots[0]: [src[t.name] for t in bucket]}
         else:
-            locals_by_slot = self._all_gather(bucket, src, gather, device, stats)
+            locals_by_slot = self._all_gather(bucket, src, gather, slots, device, stats)
         if self.rank != root and gather is not None:
             return None
         for slot, tensors in locals_by_slot.items():
@@ -86,8 +96,7 @@ class GatherBroadcast:
                     full[box_slices(p.offset, p.size)] = local[box_slices(p.local_offset, p.size)]
         return fulls
 
-    def _all_gather(self, bucket, src, gather: Comm, device, stats):
-        slots = range(len(bucket[0].src.ranks))
+    def _all_gather(self, bucket, src, gather: Comm, slots, device, stats):
         sizes = [[_nbytes(t.src.view_of_slot(s).local_shape, src[t.name]) for t in bucket]
                  for s in slots]
         longest = max(sum(s) for s in sizes)
@@ -101,12 +110,12 @@ class GatherBroadcast:
         gather.pg.allgather([outs], [mine]).wait()
         stats.bytes_sent += pos * (len(outs) - 1)
         ranks = bucket[0].src.ranks
-        order = sorted(ranks)  # the subgroup numbers its ranks in ascending order
+        order = sorted(ranks[s] for s in slots)  # subgroup ranks ascend with global ranks
         result = {}
-        for s in slots:
+        for i, s in enumerate(slots):
             out = outs[order.index(ranks[s])]
             pos, tensors = 0, []
-            for t, n in zip(bucket, sizes[s]):
+            for t, n in zip(bucket, sizes[i]):
                 shape = t.src.view_of_slot(s).local_shape
                 tensors.append(out[pos:pos + n].view(src[t.name].dtype).view(shape))
                 pos += n

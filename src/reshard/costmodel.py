@@ -42,7 +42,7 @@ import numpy as np
 
 from .cluster import Cluster, RankMap, get_cluster
 from .plan import _gc_paused
-from .stats import _groups
+from .stats import _groups, distinct_shard_slots
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -413,9 +413,9 @@ class _BucketCost:
 
 
 def _buckets(plan: Plan, budget: int) -> list[list]:
-    """The buckets of :mod:`reshard.baseline`: [source ranks, destination rank set, bytes,
-    bytes each source slot holds], consecutive tensors with the same ranks, at most
-    ``budget`` bytes each (a larger tensor alone)."""
+    """The buckets of :mod:`reshard.baseline`: [gathering source ranks (one replica),
+    destination rank set, bytes, bytes each of them holds], consecutive tensors with the
+    same ranks, at most ``budget`` bytes each (a larger tensor alone)."""
     out: list[list] = []
     key, size = None, 0
     held: dict[Any, np.ndarray] = {}
@@ -423,12 +423,17 @@ def _buckets(plan: Plan, budget: int) -> list[list]:
         k = (t.src.ranks, t.dst.rank_set)
         nbytes = t.src.numel * t.dst.itemsize
         if k != key or size + nbytes > budget:
-            out.append([k[0], k[1], 0.0, np.zeros(len(k[0]))])
+            out.append([k[0], k[1], 0.0, np.zeros(len(k[0])), set()])
             key, size = k, 0
         bucket = out[-1]
         bucket[2] += nbytes
         bucket[3] += _held_per_slot(t.src, held)
+        bucket[4].update(distinct_shard_slots(t.src))
         size += nbytes
+    for bucket in out:  # the baseline gathers over one replica of the source only
+        slots = sorted(bucket.pop())
+        bucket[0] = tuple(bucket[0][s] for s in slots)
+        bucket[3] = bucket[3][slots]
     return out
 
 

@@ -149,3 +149,19 @@ def _send_lower_bound(demand: Counter[frozenset[int]]) -> int:
         total = sum(singles.get(r, 0) for r in h) + sum(b for g, b in groups if g <= h)
         best = max(best, -(-total // len(h)))
     return best
+
+
+def distinct_shard_slots(layout) -> tuple[int, ...]:
+    """Slots holding one copy of each distinct shard (the first replica of each): what
+    gather-and-broadcast all-gathers, since gathering replicas would repeat bytes."""
+    cached = layout.__dict__.get("_distinct_slots")
+    if cached is None:
+        seen: set[tuple] = set()
+        slots = []
+        for slot in range(len(layout.ranks)):
+            key = tuple((p.offset, p.size) for p in layout.view_of_slot(slot).pieces)
+            if key not in seen:
+                seen.add(key)
+                slots.append(slot)
+        cached = layout.__dict__["_distinct_slots"] = tuple(slots)
+    return cached
