@@ -69,9 +69,11 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
            for t in plan.tensors if rank in t.dst.rank_set}
     runs: dict[str, Any] = {"floor": _floor_runner(plan, comm)}
     result: dict[str, Any] = {"methods": {}}
-    for method in cfg.methods:
-        ex = Executor(plan, comm, method=method, budget_bytes=cfg.budget_bytes,
-                      topology=cfg.topology if method == "reshard" else None)
+    for method in cfg.methods:  # "reshard+sum" / "p2p+crc32": with per-message checksums
+        base, _, checksum = method.partition("+")
+        ex = Executor(plan, comm, method=base, budget_bytes=cfg.budget_bytes,
+                      topology=cfg.topology if base == "reshard" else None,
+                      checksum=checksum or False)
         for tensor in dst.values():
             tensor.zero_()
         stats = ex.run(src, dst)  # checked run, then verified bit for bit

@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--src", required=True, help="trainer layout, e.g. tp4, fsdp4, pp2,tp2")
     b.add_argument("--dst", required=True, help="inference layout, e.g. tp2,dp2")
     b.add_argument("--model-bytes", default="1GiB", help="size of the synthetic state")
-    b.add_argument("--methods", default="reshard,p2p,gather_broadcast")
+    b.add_argument("--methods", default="reshard,p2p,gather_broadcast",
+                   help="comma-separated; add +sum or +crc32 to a method (e.g. reshard+sum) "
+                        "to time it with per-message checksums")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--budget", default="256MiB", help="staging budget per rank")
     b.add_argument("--dtype", default="float32")
