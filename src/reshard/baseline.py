@@ -82,14 +82,14 @@ class GatherBroadcast:
     def _gather(self, bucket, src, gather: Comm | None, root: int, slots, device, stats):
         """All-gather the bucket's shards over one replica of the source; the root
         rebuilds the full tensors."""
-        fulls = [torch.empty(t.src.shape, dtype=src[t.name].dtype, device=device)
-                 for t in bucket]
         if gather is None:
             locals_by_slot = {slots[0]: [src[t.name] for t in bucket]}
         else:
             locals_by_slot = self._all_gather(bucket, src, gather, slots, device, stats)
-        if self.rank != root and gather is not None:
+        if self.rank != root:
             return None
+        fulls = [torch.empty(t.src.shape, dtype=src[t.name].dtype, device=device)
+                 for t in bucket]
         for slot, tensors in locals_by_slot.items():
             for t, full, local in zip(bucket, fulls, tensors):
                 for p in t.src.view_of_slot(slot).pieces:

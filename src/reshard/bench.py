@@ -141,7 +141,7 @@ def node_of_rank(cfg: BenchConfig) -> dict[int, int]:
 
 def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
     """Run the benchmark on local processes and return the summary."""
-    _, world = build_plan(cfg)
+    plan, world = build_plan(cfg)
     if cfg.nodes <= 0:
         per_rank = run_processes(_worker, world, cfg, timeout=timeout)
         return _summarise(per_rank, cfg)
@@ -159,16 +159,16 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
     out = _summarise(per_rank, cfg)
     out["nodes"], out["link_mbit"] = cfg.nodes, cfg.link_mbit
     out["node_of_rank"] = nodes
-    out["link_bytes"] = link_classes(cfg, nodes)
+    out["link_bytes"] = link_classes(cfg, nodes, plan)
     return out
 
 
-def link_classes(cfg: BenchConfig, nodes: dict[int, int]) -> dict:
+def link_classes(cfg: BenchConfig, nodes: dict[int, int], plan=None) -> dict:
     """Bytes per link class of the reshard and p2p schedules on these nodes, and the
     inter-node lower bound (each node receives each byte it needs once)."""
     from .topology import Topology, domain_schedule, inter_domain_lower_bound, link_bytes
 
-    plan, _ = build_plan(cfg)
+    plan = plan if plan is not None else build_plan(cfg)[0]
     topo = Topology(domains=nodes)
     return {"reshard": link_bytes(domain_schedule(plan, topo, cfg.budget_bytes), topo),
             "p2p": link_bytes(flat_schedule(plan, cfg.budget_bytes), topo),

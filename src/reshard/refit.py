@@ -72,7 +72,11 @@ class _Side:
 
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
-                 refit_timeout: timedelta | None = None, checksum: bool | str = False) -> None:
+                 refit_timeout: timedelta | None = None, checksum: bool | str = False,
+                 meet_args: dict[str, Any] | None = None) -> None:
+        """``meet_args`` (as for :func:`meet`) are kept for :meth:`_remeet`."""
+        if meet_args is not None:
+            self._meet_args = meet_args
         self.version = 0
         self.broken = False  # a refit failed in the transport: reconnect() before the next
         self.pending: int | None = None  # a version received whole whose commit is in doubt
@@ -254,12 +258,12 @@ class RefitSender(_Side):
         self.params = params
         if layouts is None:
             _, layouts = layouts_of(params)
-        self._meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
-                               inference_size=inference_size, layouts=layouts,
-                               backend=backend, timeout=connect_timeout or timeout)
-        meeting = meet(host, port, **self._meet_args)
-        super().__init__(meeting, policy=policy, budget_bytes=budget_bytes, progress=progress,
-                         refit_timeout=refit_timeout, checksum=checksum)
+        meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
+                         inference_size=inference_size, layouts=layouts, backend=backend,
+                         timeout=connect_timeout or timeout)
+        super().__init__(meet(host, port, **meet_args), policy=policy, budget_bytes=budget_bytes,
+                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
+                         meet_args=meet_args)
         self.explicit_layouts = layouts is not None
 
     def refit(self, version: int) -> RefitStats:
@@ -295,12 +299,12 @@ class RefitReceiver(_Side):
         if staging not in ("shadow", "none"):
             raise ValueError(f"staging must be 'shadow' or 'none', got {staging!r}")
         self.targets, self.staging = dict(targets), staging
-        self._meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
-                               inference_size=inference_size, layouts=layouts,
-                               backend=backend, timeout=connect_timeout or timeout)
-        meeting = meet(host, port, **self._meet_args)
-        super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
-                         refit_timeout=refit_timeout, checksum=checksum)
+        meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
+                         inference_size=inference_size, layouts=layouts, backend=backend,
+                         timeout=connect_timeout or timeout)
+        super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
+                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
+                         meet_args=meet_args)
         # a clone, not empty: regions no layout covers (vocabulary padding) must keep their
         # live values when the shadow is copied over
         self.shadow = ({n: t.detach().clone() for n, t in self.targets.items()}
@@ -373,6 +377,8 @@ def _split_by_policy(plan: Plan, policy: Mapping[str, str]) -> dict[str, Plan]:
     groups: dict[str, list] = {}
     for t in plan.tensors:
         groups.setdefault(policy.get(t.name, "reshard"), []).append(t)
+    if len(groups) == 1:  # one method for everything: the meeting's plan as it is
+        return {next(iter(groups)): plan}
     out = {}
     for method, tensors in groups.items():
         out[method] = make_plan({t.name: t.src for t in tensors},

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from math import prod
 
-from .plan import Plan
+from .plan import Plan, Transfer
 
 __all__ = ["Hop", "Schedule", "flat_schedule", "split_hop"]
 
@@ -21,20 +21,12 @@ SOURCE, DEST = 0, 1  # where a hop reads from: the sender's source or destinatio
 
 
 @dataclass(frozen=True)
-class Hop:
-    name: str
-    src_rank: int
-    dst_rank: int
-    src_offset: tuple[int, ...]
-    dst_offset: tuple[int, ...]
-    size: tuple[int, ...]
-    nbytes: int
-    read_from: int = SOURCE
-    after: int = -1  # a forward waits for the round that brought its data in
+class Hop(Transfer):
+    """A :class:`Transfer` as scheduled: where the sender reads it from, and the round
+    whose arrival a forward waits for."""
 
-    @property
-    def is_local(self) -> bool:
-        return self.src_rank == self.dst_rank
+    read_from: int = SOURCE
+    after: int = -1
 
 
 @dataclass(frozen=True)

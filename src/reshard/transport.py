@@ -194,7 +194,8 @@ class RankRunner:
         for peer, a, b, hops, offsets in sends:  # pack one peer, post it, pack the next
             if (k, "send", peer) in self._direct:
                 continue
-            buf = self._direct_src(hops)
+            # source reads were tried for the unpacked path up front; forwards only now
+            buf = self._direct_src(hops) if hops[0].read_from == DEST else None
             if buf is None:
                 buf = send_arena[a:b]
                 try:
