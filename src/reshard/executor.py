@@ -83,7 +83,7 @@ class Executor:
 
     def check(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
         """Agree with every rank of the group on the plan and on the tensors, or raise."""
-        problem = local_problem(self.plan, self.rank, src, dst)
+        problem = local_problem(self.plan, self.rank, src, dst, backend=self.comm.backend)
         views = self.comm.all_gather_object((self.rank, self.plan.fingerprint(), problem))
         prints = {fp for _, fp, _ in views}
         if len(prints) > 1:
@@ -110,16 +110,61 @@ def _checksum_kind(checksum: bool | str | None) -> str | None:
 
 
 def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
-                  dst: Mapping[str, torch.Tensor]) -> str | None:
-    """The first thing wrong with this rank's tensors, as a sentence, or None."""
+                  dst: Mapping[str, torch.Tensor], *, backend: str | None = None) -> str | None:
+    """The first thing wrong with this rank's tensors, as a sentence, or None.
+    ``backend``: the group's backend, whose devices the tensors must be on."""
     try:
-        return _first_problem(plan, rank, src, dst)
+        return _first_problem(plan, rank, src, dst, backend)
     except Exception as e:  # reading a tensor failed: refuse on every rank, move nothing
         return f"reading the local tensors failed: {e!r}"
 
 
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def backend_device_types(backend: str | None) -> frozenset[str] | None:
+    """Device types whose tensors a backend's point-to-point messages carry: ``gloo``
+    host memory, ``nccl`` CUDA memory, a multi-device backend such as
+    ``cpu:gloo,cuda:nccl`` each listed type. None when unknown (nothing is checked)."""
+    if not backend:
+        return None
+    kinds = set()
+    for part in backend.lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        kind = device or _BACKEND_DEVICES.get(name)
+        if kind is None:
+            return None
+        kinds.add(kind)
+    return frozenset(kinds)
+
+
+def _device_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
+                    dst: Mapping[str, torch.Tensor], backend: str | None) -> str | None:
+    """All of a rank's tensors on one device, of a type its backend can send. Gloo reads
+    a tensor's memory through its raw pointer, so a CUDA tensor would be read as host
+    memory; NCCL cannot send host memory at all."""
+    first: tuple[str, str, torch.device] | None = None
+    allowed = backend_device_types(backend)
+    for t in plan.tensors:
+        for side, tensors, layout in (("source", src, t.src), ("destination", dst, t.dst)):
+            tensor = tensors.get(t.name) if rank in layout.rank_set else None
+            if tensor is None:
+                continue
+            if allowed is not None and tensor.device.type not in allowed:
+                return (f"{side} tensor {t.name!r} is on {tensor.device}, which the "
+                        f"{backend} backend cannot send or receive (it carries "
+                        f"{', '.join(sorted(allowed))} tensors)")
+            if first is None:
+                first = (side, t.name, tensor.device)
+            elif tensor.device != first[2]:
+                return (f"{side} tensor {t.name!r} is on {tensor.device} but {first[0]} "
+                        f"tensor {first[1]!r} is on {first[2]}: one rank's tensors must "
+                        "share one device")
+    return None
+
+
 def _first_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
-                   dst: Mapping[str, torch.Tensor]) -> str | None:
+                   dst: Mapping[str, torch.Tensor], backend: str | None) -> str | None:
     for t in plan.tensors:
         if rank in t.src.rank_set:
             msg = _tensor_problem(t.name, "source", src, t.src, rank)
@@ -129,7 +174,7 @@ def _first_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
             msg = _tensor_problem(t.name, "destination", dst, t.dst, rank)
             if msg:
                 return msg
-    return _aliasing(plan, rank, dst)
+    return _device_problem(plan, rank, src, dst, backend) or _aliasing(plan, rank, dst)
 
 
 def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], layout,
@@ -159,20 +204,16 @@ def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], l
 
 def _aliasing(plan: Plan, rank: int, dst: Mapping[str, torch.Tensor]) -> str | None:
     seen: dict[tuple[int, int], str] = {}
-    devices = set()
     spans: list[tuple[int, int, int, str, torch.Tensor]] = []  # storage, start, stop, name
     for t in plan.tensors:
         tensor = dst.get(t.name) if rank in t.dst.rank_set else None
         if tensor is None or tensor.numel() == 0:
             continue
-        devices.add(tensor.device)
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if key in seen:
             return f"destination tensors {seen[key]!r} and {t.name!r} share memory"
         seen[key] = t.name
         spans.append((*key[:1], *_span(tensor), t.name, tensor))
-    if len(devices) > 1:
-        return f"destination tensors are on several devices: {sorted(map(str, devices))}"
     return _partial_overlap(spans)
 
 
