@@ -64,12 +64,14 @@ class Comm:
                  recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
         """Post every send and receive together; return the work handles (receives
         first). Messages between two ranks match by ``tag``, then in posting order."""
-        if self.registered:
+        if self.registered and self.backend != "gloo":  # NCCL: one group, posted together
             ops = [dist.P2POp(dist.irecv, t, group=self.pg, group_peer=p, tag=tag)
                    for t, p in recvs]
             ops += [dist.P2POp(dist.isend, t, group=self.pg, group_peer=p, tag=tag)
                     for t, p in sends]
             return dist.batch_isend_irecv(ops) if ops else []
+        # gloo (and stateless groups): straight to the process group; batch_isend_irecv
+        # would only loop over the same calls, through a Python layer per message
         works = [self.pg.recv([t], p, tag) for t, p in recvs]
         return works + [self.pg.send([t], p, tag) for t, p in sends]
 

@@ -138,48 +138,41 @@ def backend_device_types(backend: str | None) -> frozenset[str] | None:
     return frozenset(kinds)
 
 
-def _device_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
-                    dst: Mapping[str, torch.Tensor], backend: str | None) -> str | None:
+def _device_problem(held: list[tuple[str, str, torch.Tensor]],
+                    backend: str | None) -> str | None:
     """All of a rank's tensors on one device, of a type its backend can send. Gloo reads
     a tensor's memory through its raw pointer, so a CUDA tensor would be read as host
     memory; NCCL cannot send host memory at all."""
-    first: tuple[str, str, torch.device] | None = None
     allowed = backend_device_types(backend)
-    for t in plan.tensors:
-        for side, tensors, layout in (("source", src, t.src), ("destination", dst, t.dst)):
-            tensor = tensors.get(t.name) if rank in layout.rank_set else None
-            if tensor is None:
-                continue
-            if allowed is not None and tensor.device.type not in allowed:
-                return (f"{side} tensor {t.name!r} is on {tensor.device}, which the "
-                        f"{backend} backend cannot send or receive (it carries "
-                        f"{', '.join(sorted(allowed))} tensors)")
-            if first is None:
-                first = (side, t.name, tensor.device)
-            elif tensor.device != first[2]:
-                return (f"{side} tensor {t.name!r} is on {tensor.device} but {first[0]} "
-                        f"tensor {first[1]!r} is on {first[2]}: one rank's tensors must "
-                        "share one device")
+    for side, name, tensor in held:
+        if allowed is not None and tensor.device.type not in allowed:
+            return (f"{side} tensor {name!r} is on {tensor.device}, which the {backend} "
+                    f"backend cannot send or receive (it carries "
+                    f"{', '.join(sorted(allowed))} tensors)")
+        first_side, first_name, first = held[0]
+        if tensor.device != first.device:
+            return (f"{side} tensor {name!r} is on {tensor.device} but {first_side} tensor "
+                    f"{first_name!r} is on {first.device}: one rank's tensors must share "
+                    "one device")
     return None
 
 
 def _first_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
                    dst: Mapping[str, torch.Tensor], backend: str | None) -> str | None:
+    held: list[tuple[str, str, torch.Tensor]] = []  # each tensor is read once, here
     for t in plan.tensors:
-        if rank in t.src.rank_set:
-            msg = _tensor_problem(t.name, "source", src, t.src, rank)
-            if msg:
-                return msg
-        if rank in t.dst.rank_set:
-            msg = _tensor_problem(t.name, "destination", dst, t.dst, rank)
-            if msg:
-                return msg
-    return _device_problem(plan, rank, src, dst, backend) or _aliasing(plan, rank, dst)
+        for side, tensors, layout in (("source", src, t.src), ("destination", dst, t.dst)):
+            if rank in layout.rank_set:
+                tensor = tensors.get(t.name)
+                msg = _tensor_problem(t.name, side, tensor, layout, rank)
+                if msg:
+                    return msg
+                held.append((side, t.name, tensor))
+    return _device_problem(held, backend) or _aliasing(
+        [(name, tensor) for side, name, tensor in held if side == "destination"])
 
 
-def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], layout,
-                    rank: int) -> str | None:
-    tensor = tensors.get(name)
+def _tensor_problem(name: str, side: str, tensor: Any, layout, rank: int) -> str | None:
     if tensor is None:
         return f"{side} tensor {name!r} is missing"
     if not isinstance(tensor, torch.Tensor):
@@ -202,18 +195,17 @@ def _tensor_problem(name: str, side: str, tensors: Mapping[str, torch.Tensor], l
     return None
 
 
-def _aliasing(plan: Plan, rank: int, dst: Mapping[str, torch.Tensor]) -> str | None:
+def _aliasing(dst: list[tuple[str, torch.Tensor]]) -> str | None:
     seen: dict[tuple[int, int], str] = {}
     spans: list[tuple[int, int, int, str, torch.Tensor]] = []  # storage, start, stop, name
-    for t in plan.tensors:
-        tensor = dst.get(t.name) if rank in t.dst.rank_set else None
-        if tensor is None or tensor.numel() == 0:
+    for name, tensor in dst:
+        if tensor.numel() == 0:
             continue
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if key in seen:
-            return f"destination tensors {seen[key]!r} and {t.name!r} share memory"
-        seen[key] = t.name
-        spans.append((*key[:1], *_span(tensor), t.name, tensor))
+            return f"destination tensors {seen[key]!r} and {name!r} share memory"
+        seen[key] = name
+        spans.append((*key[:1], *_span(tensor), name, tensor))
     return _partial_overlap(spans)
 
 

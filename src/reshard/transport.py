@@ -64,6 +64,11 @@ class RankRunner:
         self.comm, self.rank, self.dtypes = comm, comm.rank, dtypes
         rank = comm.rank
         self.rounds = [self._split_round(k, hops) for k, hops in _my_rounds(schedule, rank)]
+        mine = [h for _, hops in _my_rounds(schedule, rank) for h in hops]
+        self._src_names = sorted({h.name for h in mine
+                                  if h.src_rank == rank and h.read_from != DEST})
+        self._dst_names = sorted({h.name for h in mine if h.dst_rank == rank
+                                  or (h.src_rank == rank and h.read_from == DEST)})
         self.src: Mapping[str, torch.Tensor] = {}
         self.dst: Mapping[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
@@ -75,6 +80,8 @@ class RankRunner:
         self.checksum: str | None = None  # None, "sum" or "crc32"
         self.on_receive: Callable[[int, int, torch.Tensor], None] | None = None  # test hook
         self.broken = False  # the last run failed in the transport: the group is unusable
+        self._bound: tuple | None = None  # what the cached views below were made from
+        self._views: dict[tuple[str, int], Any] = {}
 
     def _split_round(self, k: int, hops: list[Hop]):
         sends: dict[int, list[Hop]] = {}
@@ -104,12 +111,14 @@ class RankRunner:
             self._send_arena = torch.empty(send, dtype=torch.uint8, device=key)
             self._recv_arena = torch.empty(recv, dtype=torch.uint8, device=key)
             self._arena_key = key
+            self._bound, self._views = None, {}  # views into the old arenas
         return self._send_arena, self._recv_arena
 
     def release(self) -> None:
         """Free the staging buffers (they are re-made on the next run)."""
         self._arena_key = None
         self._send_arena = self._recv_arena = None
+        self._bound, self._views = None, {}
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
         """Move this rank's bytes: read ``src`` (name -> local tensor), write ``dst``.
@@ -125,6 +134,7 @@ class RankRunner:
         self._digests: dict[tuple[str, int], dict[int, int]] = {}  # (send|recv, peer) -> k -> d
         self._early_meta: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         send_arena, recv_arena = self._arenas()
+        self._bind(src, dst)
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
         total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
                     for h in hops)
@@ -200,8 +210,7 @@ class RankRunner:
                 buf = send_arena[a:b]
                 try:
                     for h, off in zip(hops, offsets):
-                        buf[off:off + h.nbytes].view(self.dtypes[h.name]).view(
-                            h.size).copy_(self._read(h))
+                        self._slot(send_arena, a + off, h).copy_(self._read(h))
                 except Exception as e:  # keep the protocol whole: peers get their bytes
                     self.read_error = self.read_error or e
                     buf.zero_()
@@ -224,10 +233,8 @@ class RankRunner:
                 self._wait(work)
             if self.on_receive is not None or self.checksum:
                 self._arrived(k, peer, recv_arena[a:b])
-            buf = recv_arena[a:]
             for h, off in zip(hops, offsets):
-                dst = self._dst_view(h)
-                dst.copy_(buf[off:off + h.nbytes].view(dst.dtype).view(h.size))
+                self._dst_view(h).copy_(self._slot(recv_arena, a + off, h))
                 self.stats.bytes_received += h.nbytes
         for work in send_works:
             self._wait(work)
@@ -285,32 +292,81 @@ class RankRunner:
                             f"({self.checksum}: sent {expected:#x}, received {mine[k]:#x})")
         return None
 
+    # -- views, made once per set of tensors -------------------------------------------
+    def _bind(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
+        """Keep the views cached by earlier runs when the same tensors come back (same
+        memory, shape, strides, dtype): a refit passes the same parameters every step,
+        and slicing hundreds of regions anew would cost more than the small messages."""
+        try:  # looked up by name: a mapping may make its tensors on demand
+            key = (_tensors_key(src, self._src_names), _tensors_key(dst, self._dst_names))
+        except Exception:  # the reads will meet it and report it; cache nothing
+            key = None
+        if key is None or key != self._bound:
+            self._bound, self._views = key, {}
+
     def _direct_src(self, hops: list[Hop]) -> torch.Tensor | None:
         """The source region itself as the message, when it alone makes the message and
         is contiguous in the destination dtype (no packing copy)."""
         if len(hops) != 1:
             return None
+        got = self._views.get(("direct_src", id(hops[0])), _MISSING)
+        if got is not _MISSING:
+            return got
         try:
             view = self._read(hops[0])
         except Exception:
-            return None
-        if not view.is_contiguous() or view.dtype != self.dtypes[hops[0].name]:
-            return None
-        return _flat_bytes(view)
+            return None  # not cached: packing will meet the error and report it
+        ok = view.is_contiguous() and view.dtype == self.dtypes[hops[0].name]
+        got = self._views["direct_src", id(hops[0])] = _flat_bytes(view) if ok else None
+        return got
 
     def _direct_dst(self, hops: list[Hop]) -> torch.Tensor | None:
         """The destination region itself as the receive buffer, when it can be."""
         if len(hops) != 1:
             return None
-        view = self._dst_view(hops[0])
-        return _flat_bytes(view) if view.is_contiguous() else None
+        got = self._views.get(("direct_dst", id(hops[0])), _MISSING)
+        if got is _MISSING:
+            view = self._dst_view(hops[0])
+            got = _flat_bytes(view) if view.is_contiguous() else None
+            self._views["direct_dst", id(hops[0])] = got
+        return got
 
     def _read(self, h: Hop) -> torch.Tensor:
-        tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
-        return tensor[box_slices(h.src_offset, h.size)]
+        view = self._views.get(("read", id(h)))
+        if view is None:
+            tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
+            view = self._views["read", id(h)] = tensor[box_slices(h.src_offset, h.size)]
+        return view
 
     def _dst_view(self, h: Hop) -> torch.Tensor:
-        return self.dst[h.name][box_slices(h.dst_offset, h.size)]
+        view = self._views.get(("dst", id(h)))
+        if view is None:
+            view = self.dst[h.name][box_slices(h.dst_offset, h.size)]
+            self._views["dst", id(h)] = view
+        return view
+
+    def _slot(self, arena: torch.Tensor, start: int, h: Hop) -> torch.Tensor:
+        """A hop's place in a staging arena, typed and shaped like the region."""
+        key = ("send" if arena is self._send_arena else "recv", id(h), start)
+        view = self._views.get(key)
+        if view is None:
+            view = arena[start:start + h.nbytes].view(self.dtypes[h.name]).view(h.size)
+            self._views[key] = view
+        return view
+
+
+_MISSING = object()
+
+
+def _tensors_key(tensors: Mapping[str, Any], names: list[str]) -> tuple:
+    """What views of these tensors depend on: which memory, laid out how. (A cached
+    view keeps its tensor's memory alive, so no other tensor can take its address.)"""
+    out: list[Any] = []
+    for name in names:
+        t = tensors[name]
+        out.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                   if isinstance(t, torch.Tensor) else id(t))
+    return tuple(out)
 
 
 def _flat_bytes(view: torch.Tensor) -> torch.Tensor:
