@@ -59,7 +59,8 @@ def _timed(comm_barrier, fn, repeats: int) -> list[float]:
 
 def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
     """One rank: verify every method once, then time them interleaved (floor, each
-    method, floor, ...) so that load from the rest of the machine hits all alike."""
+    method, floor, ...) so that load from the rest of the machine hits all alike, the
+    order rotated every repeat so that each also takes every place in it."""
     from .comm import Comm
 
     plan, _ = build_plan(cfg)
@@ -83,8 +84,9 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
         runs[method] = lambda ex=ex: ex.run(src, dst, check=False)
     runs["floor"]()
     floor_times: list[float] = []
-    for _ in range(cfg.repeats):
-        for name, fn in runs.items():
+    order = list(runs.items())
+    for i in range(cfg.repeats):  # rotated each repeat: no method always follows the same one
+        for name, fn in order[i % len(order):] + order[:i % len(order)]:
             seconds = _timed(comm.barrier, fn, 1)[0]
             (floor_times if name == "floor" else result["methods"][name]["times"]).append(
                 seconds)
