@@ -59,6 +59,14 @@ class Comm:
         return cls(_new_pg(store, rank, world_size, backend, timeout, device),
                    registered=False, store=store, backend=backend, timeout=timeout, name=name)
 
+    @property
+    def matches_by_tag(self) -> bool:
+        """Whether messages between two ranks match by tag (gloo), or only in the order
+        they are posted (NCCL, which ignores tags): then both ends must post one pair's
+        messages in the same order, and each rank posts a round's sends and receives in
+        one group call so that two ranks exchanging both ways never wait on each other."""
+        return self.backend == "gloo"
+
     # -- point to point ------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
                  recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
@@ -70,8 +78,21 @@ class Comm:
             ops += [dist.P2POp(dist.isend, t, group=self.pg, group_peer=p, tag=tag)
                     for t, p in sends]
             return dist.batch_isend_irecv(ops) if ops else []
-        # gloo (and stateless groups): straight to the process group; batch_isend_irecv
-        # would only loop over the same calls, through a Python layer per message
+        if self.backend == "nccl" and (sends or recvs):  # a stateless NCCL group
+            # one NCCL group call, as batch_isend_irecv makes: posted one by one, a pair
+            # exchanging both ways would wait on each other on their shared stream
+            device = (recvs or sends)[0][0].device
+            self.pg._start_coalescing(device)
+            try:
+                for t, p in recvs:
+                    self.pg.recv([t], p, tag)
+                for t, p in sends:
+                    self.pg.send([t], p, tag)
+            finally:
+                work = self.pg._end_coalescing(device)
+            return [work]
+        # gloo: straight to the process group; batch_isend_irecv would only loop over
+        # the same calls, through a Python layer per message
         works = [self.pg.recv([t], p, tag) for t, p in recvs]
         return works + [self.pg.send([t], p, tag) for t, p in sends]
 

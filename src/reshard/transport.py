@@ -5,6 +5,12 @@ buffer and everything it receives from one peer arrives in one; sends and receiv
 the round are posted together (``batch_isend_irecv``), then received bytes are
 unpacked straight into the destination tensors. Works on any backend and device.
 
+Gloo matches a pair's messages by tag, so messages that need no packing are posted up
+front, tagged with their round. NCCL ignores tags and matches in posting order, and
+two ranks exchanging both ways must post in one group call: on such backends each
+round is posted whole (every send and receive of the round in one call), in round
+order (``RankRunner.ordered``, chosen from :attr:`reshard.comm.Comm.matches_by_tag`).
+
 Two options, both off by default: a ``deadline`` (every wait of a run ends by then, on
 gloo; a lost peer is a :class:`TransferError`, not a hang) and a per-message
 ``checksum`` (every message's digest is sent after the data; a mismatch is a
@@ -80,6 +86,8 @@ class RankRunner:
         self.checksum: str | None = None  # None, "sum" or "crc32"
         self.on_receive: Callable[[int, int, torch.Tensor], None] | None = None  # test hook
         self.broken = False  # the last run failed in the transport: the group is unusable
+        # NCCL matches messages only by posting order: post each round whole, in order
+        self.ordered = not getattr(comm, "matches_by_tag", False)
         self._bound: tuple | None = None  # what the cached views below were made from
         self._views: dict[tuple[str, int], Any] = {}
 
@@ -139,9 +147,14 @@ class RankRunner:
         total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
                     for h in hops)
         try:
-            early = self._post_direct()
+            early = {} if self.ordered else self._post_direct()
             for k, local, sends, recvs in self.rounds:
-                self._run_round(k, local, sends[0], recvs[0], send_arena, recv_arena, early)
+                if self.ordered:
+                    self._run_round_ordered(k, local, sends[0], recvs[0], send_arena,
+                                            recv_arena)
+                else:
+                    self._run_round(k, local, sends[0], recvs[0], send_arena, recv_arena,
+                                    early)
                 self.stats.rounds += 1
                 if self.progress is not None:
                     self.progress(self.stats.bytes_sent, total)
@@ -208,22 +221,12 @@ class RankRunner:
             buf = self._direct_src(hops) if hops[0].read_from == DEST else None
             if buf is None:
                 buf = send_arena[a:b]
-                try:
-                    for h, off in zip(hops, offsets):
-                        self._slot(send_arena, a + off, h).copy_(self._read(h))
-                except Exception as e:  # keep the protocol whole: peers get their bytes
-                    self.read_error = self.read_error or e
-                    buf.zero_()
+                self._pack(send_arena, a, hops, offsets, buf)
             send_works += self.comm.exchange([(buf, peer)], (), k)
             if self.checksum:  # while it travels (the buffer is only read)
                 self._note("send", k, peer, buf)
             self._count_sent(peer, hops)
-        for h in local:  # local copies overlap the messages in flight
-            try:
-                self._dst_view(h).copy_(self._read(h))
-            except Exception as e:
-                self.read_error = self.read_error or e
-            self.stats.bytes_local += h.nbytes
+        self._copy_local(local)
         if len(recv_works) != len(packed_recvs):  # one coalesced work for all (NCCL)
             for work in recv_works:
                 self._wait(work)
@@ -238,6 +241,58 @@ class RankRunner:
                 self.stats.bytes_received += h.nbytes
         for work in send_works:
             self._wait(work)
+
+    def _run_round_ordered(self, k, local, sends, recvs, send_arena, recv_arena) -> None:
+        """One round for a backend that matches messages by order only (NCCL): pack
+        every send, post all of the round's sends and receives in one group call, copy
+        the local regions, wait, unpack. Every earlier round is complete by then, so
+        forwards read bytes already in place, and each pair's messages go in round
+        order on both ends whatever each end packs."""
+        incoming = []
+        for peer, a, b, hops, offsets in recvs:
+            direct = self._direct_dst(hops)
+            buf = direct if direct is not None else recv_arena[a:b]
+            incoming.append((peer, buf, direct is not None, a, hops, offsets))
+        outgoing = []
+        for peer, a, b, hops, offsets in sends:
+            buf = self._direct_src(hops)
+            if buf is None:
+                buf = send_arena[a:b]
+                self._pack(send_arena, a, hops, offsets, buf)
+            outgoing.append((buf, peer))
+            if self.checksum:
+                self._note("send", k, peer, buf)
+            self._count_sent(peer, hops)
+        works = self.comm.exchange(outgoing, [(buf, peer) for peer, buf, *_ in incoming], k)
+        self._copy_local(local)
+        for work in works:
+            self._wait(work)
+        for peer, buf, direct, a, hops, offsets in incoming:
+            if self.on_receive is not None or self.checksum:
+                self._arrived(k, peer, buf)
+            if direct:
+                self.stats.bytes_received += hops[0].nbytes
+                continue
+            for h, off in zip(hops, offsets):
+                self._dst_view(h).copy_(self._slot(recv_arena, a + off, h))
+                self.stats.bytes_received += h.nbytes
+
+    def _pack(self, arena: torch.Tensor, start: int, hops: list[Hop], offsets: list[int],
+              buf: torch.Tensor) -> None:
+        try:
+            for h, off in zip(hops, offsets):
+                self._slot(arena, start + off, h).copy_(self._read(h))
+        except Exception as e:  # keep the protocol whole: peers get their bytes
+            self.read_error = self.read_error or e
+            buf.zero_()
+
+    def _copy_local(self, local: list[Hop]) -> None:
+        for h in local:  # local copies overlap the messages in flight
+            try:
+                self._dst_view(h).copy_(self._read(h))
+            except Exception as e:
+                self.read_error = self.read_error or e
+            self.stats.bytes_local += h.nbytes
 
     # -- deadline and checksums ----------------------------------------------------------
     def _wait(self, work: Any) -> None:

@@ -1,10 +1,14 @@
 """An in-process stand-in for :class:`reshard.comm.Comm`: every rank is a thread of this
-process, messages go through queues. Cheap enough to run the real executor (checks,
-schedules, packing, unpacking) thousands of times inside a property test."""
+process, messages go through per-pair mailboxes. Cheap enough to run the real executor
+(checks, schedules, packing, unpacking) thousands of times inside a property test.
+
+A receive takes the message whose position matches its own posting position (as the
+real backends do, whatever order the waits come in). ``World(by_tag=True)`` matches by
+tag first, as gloo does; ``by_tag=False`` ignores tags, as NCCL does, so a rank whose
+posting order differs from its peer's gets the wrong message."""
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,12 +23,31 @@ class _Done:
         return True
 
 
+class _Box:
+    """The messages from one rank to another (under one tag, when matching by tag)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.items: list[torch.Tensor] = []
+        self.posted = 0
+
+    def put(self, data: torch.Tensor) -> None:
+        with self.cond:
+            self.items.append(data)
+            self.cond.notify_all()
+
+
 class _Recv:
-    def __init__(self, box: queue.Queue, buf: torch.Tensor) -> None:
+    def __init__(self, box: _Box, buf: torch.Tensor) -> None:
         self.box, self.buf = box, buf
+        with box.cond:  # matched at posting: the n-th receive takes the n-th message
+            self.index, box.posted = box.posted, box.posted + 1
 
     def wait(self, timeout: Any = None) -> bool:
-        data = self.box.get(timeout=10)
+        with self.box.cond:
+            if not self.box.cond.wait_for(lambda: len(self.box.items) > self.index, 10):
+                raise RuntimeError("no message arrived within 10 s")
+            data = self.box.items[self.index]
         if data.numel() != self.buf.numel():
             raise RuntimeError(f"message of {data.numel()} B for a {self.buf.numel()} B buffer")
         self.buf.copy_(data)
@@ -34,16 +57,16 @@ class _Recv:
 class World:
     """What the ranks of one in-process group share."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.boxes: dict[tuple[int, int, int], queue.Queue] = {}
+    def __init__(self, size: int, *, by_tag: bool = True) -> None:
+        self.size, self.by_tag = size, by_tag
+        self.boxes: dict[tuple[int, int, int], _Box] = {}
         self.lock = threading.Lock()
         self.barrier = threading.Barrier(size)
         self.slots: list[Any] = [None] * size
 
-    def box(self, src: int, dst: int, tag: int) -> queue.Queue:
+    def box(self, src: int, dst: int, tag: int) -> _Box:
         with self.lock:
-            return self.boxes.setdefault((src, dst, tag), queue.Queue())
+            return self.boxes.setdefault((src, dst, tag if self.by_tag else 0), _Box())
 
 
 class ThreadComm:
@@ -52,6 +75,10 @@ class ThreadComm:
     registered = False
     store = None
     backend = "inproc"
+
+    @property
+    def matches_by_tag(self) -> bool:
+        return self.world.by_tag
 
     def __init__(self, world: World, rank: int) -> None:
         self.world, self.rank, self.size = world, rank, world.size
@@ -76,9 +103,10 @@ class ThreadComm:
         self.all_gather_object(None)
 
 
-def run_ranks(size: int, fn: Callable[[ThreadComm], Any]) -> list[tuple[bool, Any]]:
+def run_ranks(size: int, fn: Callable[[ThreadComm], Any], *,
+              by_tag: bool = True) -> list[tuple[bool, Any]]:
     """Run ``fn(comm)`` on ``size`` thread ranks; per rank (ok, result or exception)."""
-    world = World(size)
+    world = World(size, by_tag=by_tag)
     out: list[tuple[bool, Any]] = [(False, None)] * size
 
     def body(rank: int) -> None:
