@@ -13,7 +13,8 @@ from .errors import ReshardError
 __all__ = ["main"]
 
 
-def _bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
+    """A byte count as people write it: `1GiB`, `256MiB`, `512k`, `1048576`."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     if t and t[-1] in units:
@@ -51,9 +52,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from .bench import BenchConfig, run_bench
 
-    cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=_bytes(args.model_bytes),
+    cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=parse_bytes(args.model_bytes),
                       methods=tuple(args.methods.split(",")), repeats=args.repeats,
-                      budget_bytes=_bytes(args.budget), dtype=args.dtype, nodes=args.nodes,
+                      budget_bytes=parse_bytes(args.budget), dtype=args.dtype, nodes=args.nodes,
                       link_mbit=args.link_mbit)
     if cfg.nodes:
         from .netns import netns_unavailable_reason
@@ -95,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan as make_plan
     from .specs import ParallelSpec, model_layouts
 
-    model = (synthetic_model(_bytes(args.model_bytes), dtype=args.dtype) if args.model is None
+    model = (synthetic_model(parse_bytes(args.model_bytes), dtype=args.dtype) if args.model is None
              else preset(args.model))
     src_spec = ParallelSpec.parse(args.src)
     t0 = time.perf_counter()

@@ -58,10 +58,10 @@ def _rows(sim: Simulation) -> list[list[str]]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .cli import _bytes, _table
+    from .cli import _table, parse_bytes
 
     cluster = get_cluster(args.cluster)
-    budget = _bytes(args.budget)
+    budget = parse_bytes(args.budget)
     if args.sweep:
         return _cmd_sweep(args, cluster, budget)
     model = _model(args)
@@ -91,12 +91,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace):
-    from .cli import _bytes
+    from .cli import parse_bytes
     from .models import preset, synthetic_model
 
     try:
         if args.model is None:
-            return synthetic_model(_bytes(args.model_bytes), dtype=args.dtype)
+            return synthetic_model(parse_bytes(args.model_bytes), dtype=args.dtype)
         return preset(args.model, dtype=args.dtype)
     except ValueError as e:  # unknown preset or dtype: the same exit as other user errors
         raise SystemExit(f"reshard: error: {e}") from None
