@@ -21,7 +21,6 @@ stays whole and the group stays usable). See ``docs/reliability.md``.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,12 +30,13 @@ import torch
 
 from .comm import Comm
 from .errors import TransferError
-from .layout import box_slices
+from .integrity import CHECKSUMS, digest
 from .schedule import DEST, Hop, Schedule
+from .views import RegionViews
 
 _ALIGN = 16
 _DIGEST_TAG = (1 << 30) + 7  # the checksum messages' tag, above any round number
-CHECKSUMS = ("sum", "crc32")
+__all__ = ["CHECKSUMS", "RankRunner", "RunStats", "digest"]
 
 
 @dataclass
@@ -70,13 +70,8 @@ class RankRunner:
         self.comm, self.rank, self.dtypes = comm, comm.rank, dtypes
         rank = comm.rank
         self.rounds = [self._split_round(k, hops) for k, hops in _my_rounds(schedule, rank)]
-        mine = [h for _, hops in _my_rounds(schedule, rank) for h in hops]
-        self._src_names = sorted({h.name for h in mine
-                                  if h.src_rank == rank and h.read_from != DEST})
-        self._dst_names = sorted({h.name for h in mine if h.dst_rank == rank
-                                  or (h.src_rank == rank and h.read_from == DEST)})
-        self.src: Mapping[str, torch.Tensor] = {}
-        self.dst: Mapping[str, torch.Tensor] = {}
+        self.views = RegionViews((h for _, hops in _my_rounds(schedule, rank) for h in hops),
+                                 rank, dtypes)
         self.device = torch.device("cpu")
         self.stats = RunStats()
         self.progress: Callable[[int, int], None] | None = None
@@ -88,8 +83,6 @@ class RankRunner:
         self.broken = False  # the last run failed in the transport: the group is unusable
         # NCCL matches messages only by posting order: post each round whole, in order
         self.ordered = not getattr(comm, "matches_by_tag", False)
-        self._bound: tuple | None = None  # what the cached views below were made from
-        self._views: dict[tuple[str, int], Any] = {}
 
     def _split_round(self, k: int, hops: list[Hop]):
         sends: dict[int, list[Hop]] = {}
@@ -119,14 +112,14 @@ class RankRunner:
             self._send_arena = torch.empty(send, dtype=torch.uint8, device=key)
             self._recv_arena = torch.empty(recv, dtype=torch.uint8, device=key)
             self._arena_key = key
-            self._bound, self._views = None, {}  # views into the old arenas
+            self.views.clear()  # views into the old arenas
         return self._send_arena, self._recv_arena
 
     def release(self) -> None:
         """Free the staging buffers (they are re-made on the next run)."""
         self._arena_key = None
         self._send_arena = self._recv_arena = None
-        self._bound, self._views = None, {}
+        self.views.clear()
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
         """Move this rank's bytes: read ``src`` (name -> local tensor), write ``dst``.
@@ -135,14 +128,14 @@ class RankRunner:
         each tagged with its round, exactly as the bare floor exchange does; packed
         messages go round by round through the staging arenas; forwards wait for the
         rounds that brought their bytes in."""
-        self.src, self.dst, self.stats = src, dst, RunStats()
+        self.stats = RunStats()
         self.device = _device_of(src, dst)
         self.read_error = None
         self.broken = False
         self._digests: dict[tuple[str, int], dict[int, int]] = {}  # (send|recv, peer) -> k -> d
         self._early_meta: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         send_arena, recv_arena = self._arenas()
-        self._bind(src, dst)
+        self.views.bind(src, dst)
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
         total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
                     for h in hops)
@@ -181,7 +174,7 @@ class RankRunner:
         early: dict[int, list[Any]] = {}
         for k, _, sends, recvs in self.rounds:
             for peer, _, _, hops, _ in recvs[0]:
-                buf = self._direct_dst(hops)
+                buf = self.views.direct_dst(hops)
                 if buf is not None:
                     self._direct[k, "recv", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange((), [(buf, peer)], k))
@@ -190,7 +183,7 @@ class RankRunner:
             for peer, _, _, hops, _ in sends[0]:
                 if hops[0].read_from == DEST:
                     continue
-                buf = self._direct_src(hops)
+                buf = self.views.direct_src(hops)
                 if buf is not None:
                     self._direct[k, "send", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange([(buf, peer)], (), k))
@@ -218,7 +211,7 @@ class RankRunner:
             if (k, "send", peer) in self._direct:
                 continue
             # source reads were tried for the unpacked path up front; forwards only now
-            buf = self._direct_src(hops) if hops[0].read_from == DEST else None
+            buf = self.views.direct_src(hops) if hops[0].read_from == DEST else None
             if buf is None:
                 buf = send_arena[a:b]
                 self._pack(send_arena, a, hops, offsets, buf)
@@ -237,7 +230,7 @@ class RankRunner:
             if self.on_receive is not None or self.checksum:
                 self._arrived(k, peer, recv_arena[a:b])
             for h, off in zip(hops, offsets):
-                self._dst_view(h).copy_(self._slot(recv_arena, a + off, h))
+                self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
                 self.stats.bytes_received += h.nbytes
         for work in send_works:
             self._wait(work)
@@ -250,12 +243,12 @@ class RankRunner:
         order on both ends whatever each end packs."""
         incoming = []
         for peer, a, b, hops, offsets in recvs:
-            direct = self._direct_dst(hops)
+            direct = self.views.direct_dst(hops)
             buf = direct if direct is not None else recv_arena[a:b]
             incoming.append((peer, buf, direct is not None, a, hops, offsets))
         outgoing = []
         for peer, a, b, hops, offsets in sends:
-            buf = self._direct_src(hops)
+            buf = self.views.direct_src(hops)
             if buf is None:
                 buf = send_arena[a:b]
                 self._pack(send_arena, a, hops, offsets, buf)
@@ -274,14 +267,14 @@ class RankRunner:
                 self.stats.bytes_received += hops[0].nbytes
                 continue
             for h, off in zip(hops, offsets):
-                self._dst_view(h).copy_(self._slot(recv_arena, a + off, h))
+                self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
                 self.stats.bytes_received += h.nbytes
 
     def _pack(self, arena: torch.Tensor, start: int, hops: list[Hop], offsets: list[int],
               buf: torch.Tensor) -> None:
         try:
             for h, off in zip(hops, offsets):
-                self._slot(arena, start + off, h).copy_(self._read(h))
+                self.views.slot(arena, "send", start + off, h).copy_(self.views.read(h))
         except Exception as e:  # keep the protocol whole: peers get their bytes
             self.read_error = self.read_error or e
             buf.zero_()
@@ -289,7 +282,7 @@ class RankRunner:
     def _copy_local(self, local: list[Hop]) -> None:
         for h in local:  # local copies overlap the messages in flight
             try:
-                self._dst_view(h).copy_(self._read(h))
+                self.views.write(h).copy_(self.views.read(h))
             except Exception as e:
                 self.read_error = self.read_error or e
             self.stats.bytes_local += h.nbytes
@@ -347,92 +340,6 @@ class RankRunner:
                             f"({self.checksum}: sent {expected:#x}, received {mine[k]:#x})")
         return None
 
-    # -- views, made once per set of tensors -------------------------------------------
-    def _bind(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
-        """Keep the views cached by earlier runs when the same tensors come back (same
-        memory, shape, strides, dtype): a refit passes the same parameters every step,
-        and slicing hundreds of regions anew would cost more than the small messages."""
-        try:  # looked up by name: a mapping may make its tensors on demand
-            key = (_tensors_key(src, self._src_names), _tensors_key(dst, self._dst_names))
-        except Exception:  # the reads will meet it and report it; cache nothing
-            key = None
-        if key is None or key != self._bound:
-            self._bound, self._views = key, {}
-
-    def _direct_src(self, hops: list[Hop]) -> torch.Tensor | None:
-        """The source region itself as the message, when it alone makes the message and
-        is contiguous in the destination dtype (no packing copy)."""
-        if len(hops) != 1:
-            return None
-        got = self._views.get(("direct_src", id(hops[0])), _MISSING)
-        if got is not _MISSING:
-            return got
-        try:
-            view = self._read(hops[0])
-        except Exception:
-            return None  # not cached: packing will meet the error and report it
-        ok = view.is_contiguous() and view.dtype == self.dtypes[hops[0].name]
-        got = self._views["direct_src", id(hops[0])] = _flat_bytes(view) if ok else None
-        return got
-
-    def _direct_dst(self, hops: list[Hop]) -> torch.Tensor | None:
-        """The destination region itself as the receive buffer, when it can be."""
-        if len(hops) != 1:
-            return None
-        got = self._views.get(("direct_dst", id(hops[0])), _MISSING)
-        if got is _MISSING:
-            view = self._dst_view(hops[0])
-            got = _flat_bytes(view) if view.is_contiguous() else None
-            self._views["direct_dst", id(hops[0])] = got
-        return got
-
-    def _read(self, h: Hop) -> torch.Tensor:
-        view = self._views.get(("read", id(h)))
-        if view is None:
-            tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
-            view = self._views["read", id(h)] = tensor[box_slices(h.src_offset, h.size)]
-        return view
-
-    def _dst_view(self, h: Hop) -> torch.Tensor:
-        view = self._views.get(("dst", id(h)))
-        if view is None:
-            view = self.dst[h.name][box_slices(h.dst_offset, h.size)]
-            self._views["dst", id(h)] = view
-        return view
-
-    def _slot(self, arena: torch.Tensor, start: int, h: Hop) -> torch.Tensor:
-        """A hop's place in a staging arena, typed and shaped like the region."""
-        key = ("send" if arena is self._send_arena else "recv", id(h), start)
-        view = self._views.get(key)
-        if view is None:
-            view = arena[start:start + h.nbytes].view(self.dtypes[h.name]).view(h.size)
-            self._views[key] = view
-        return view
-
-
-_MISSING = object()
-
-
-def _tensors_key(tensors: Mapping[str, Any], names: list[str]) -> tuple:
-    """What views of these tensors depend on: which memory, laid out how. (A cached
-    view keeps its tensor's memory alive, so no other tensor can take its address.)"""
-    out: list[Any] = []
-    for name in names:
-        t = tensors[name]
-        out.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-                   if isinstance(t, torch.Tensor) else id(t))
-    return tuple(out)
-
-
-def _flat_bytes(view: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 tensor. A size-1 dim may carry any
-    stride and ``reshape(-1)`` keeps it, which a dtype view refuses: restride instead."""
-    flat = view.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8)
-
-
 def _arena_layout(by_peer: dict[int, list[Hop]]):
     """[(peer, start, stop, hops, offsets within the message)] laid end to end, and the
     total length."""
@@ -456,33 +363,3 @@ def _device_of(*maps: Mapping[str, torch.Tensor]) -> torch.device:
         for t in m.values():
             return t.device
     return torch.device("cpu")
-
-
-def digest(buf: torch.Tensor, kind: str = "sum") -> int:
-    """A message's checksum, a function of its bytes alone (not of where they sit).
-
-    ``"sum"``: the wrapping int64 sum of the 8-byte words plus a position-weighted sum of
-    512-word block sums (order across blocks counts) and of the trailing bytes; one pass,
-    on the tensor's own device. ``"crc32"``: zlib's CRC-32 (on the host). Any single bit
-    flip changes either; only the CRC also sees reorders inside a 4 KiB block."""
-    if kind == "crc32":
-        data = buf.detach().reshape(-1).view(torch.uint8)
-        return zlib.crc32(data.cpu().numpy()) if data.numel() else 0
-    if kind != "sum":
-        raise ValueError(f"unknown checksum {kind!r}; expected one of {CHECKSUMS}")
-    data = buf.detach().reshape(-1).view(torch.uint8)
-    n = data.numel()
-    head = n - n % 8
-    body = data[:head]
-    if head and body.storage_offset() % 8:  # an int64 view needs an 8-byte aligned start
-        body = body.clone()
-    words = body.view(torch.int64)
-    m = head // 8 // 512 * 512
-    blocks = words[:m].view(-1, 512).sum(1)
-    weights = torch.arange(1, blocks.numel() + 1, dtype=torch.int64, device=data.device)
-    tail = data[head:].to(torch.int64)
-    tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=data.device)
-    total, pos, rest = torch.stack([blocks.sum() + words[m:].sum(), (blocks * weights).sum(),
-                                    (tail * tail_w * 257).sum()]).tolist()
-    d = (total + pos * 0x9E3779B97F4A7C15 + rest * 0xC2B2AE3D27D4EB4F + n) % (1 << 64)
-    return d - (1 << 64) if d >= 1 << 63 else d
