@@ -45,6 +45,7 @@ class RunStats:
     bytes_received: int = 0
     bytes_local: int = 0
     num_messages: int = 0
+    direct_messages: int = 0  # sent or received with no staging copy on this rank
     peak_staging_bytes: int = 0
     rounds: int = 0
     per_peer_sent: dict[int, int] = field(default_factory=dict)
@@ -137,6 +138,14 @@ class RankRunner:
         send_arena, recv_arena = self._arenas()
         self.views.bind(src, dst)
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
+        self._direct: dict[tuple[int, str, int], torch.Tensor] = {}
+        try:
+            return self._run_all(send_arena, recv_arena)
+        finally:  # keep none of the caller's tensors past the run
+            self.views.unbind()
+            self._direct, self._early_meta = {}, {}
+
+    def _run_all(self, send_arena: torch.Tensor, recv_arena: torch.Tensor) -> RunStats:
         total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
                     for h in hops)
         try:
@@ -176,6 +185,7 @@ class RankRunner:
             for peer, _, _, hops, _ in recvs[0]:
                 buf = self.views.direct_dst(hops)
                 if buf is not None:
+                    self.stats.direct_messages += 1
                     self._direct[k, "recv", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange((), [(buf, peer)], k))
                     self._early_meta.setdefault(k, []).append(("recv", peer, buf))
@@ -185,6 +195,7 @@ class RankRunner:
                     continue
                 buf = self.views.direct_src(hops)
                 if buf is not None:
+                    self.stats.direct_messages += 1
                     self._direct[k, "send", peer] = buf
                     early.setdefault(k, []).extend(self.comm.exchange([(buf, peer)], (), k))
                     self._early_meta.setdefault(k, []).append(("send", peer, buf))
@@ -215,6 +226,8 @@ class RankRunner:
             if buf is None:
                 buf = send_arena[a:b]
                 self._pack(send_arena, a, hops, offsets, buf)
+            else:
+                self.stats.direct_messages += 1
             send_works += self.comm.exchange([(buf, peer)], (), k)
             if self.checksum:  # while it travels (the buffer is only read)
                 self._note("send", k, peer, buf)
@@ -245,6 +258,7 @@ class RankRunner:
         for peer, a, b, hops, offsets in recvs:
             direct = self.views.direct_dst(hops)
             buf = direct if direct is not None else recv_arena[a:b]
+            self.stats.direct_messages += direct is not None
             incoming.append((peer, buf, direct is not None, a, hops, offsets))
         outgoing = []
         for peer, a, b, hops, offsets in sends:
@@ -252,6 +266,8 @@ class RankRunner:
             if buf is None:
                 buf = send_arena[a:b]
                 self._pack(send_arena, a, hops, offsets, buf)
+            else:
+                self.stats.direct_messages += 1
             outgoing.append((buf, peer))
             if self.checksum:
                 self._note("send", k, peer, buf)

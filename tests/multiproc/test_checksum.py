@@ -27,7 +27,7 @@ def _job(rank, _world, port, checksum, scale=1):
             set_version(tensors, layouts, r, version)
         runner = side.executors[0]._runner
         runner.on_receive = _flip if (rank == T + 1 and version == 2) else None
-        direct = max(direct, len(getattr(runner, "_direct", ())))
+        direct = max(direct, runner.stats.direct_messages)  # the previous refit's
         try:
             side.refit(version) if rank < T else side.refit()
             log.append({"version": version, "ok": True, "live": side.version,
