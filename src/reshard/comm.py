@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "backend_device_types"]
 
 
 class Comm:
@@ -184,8 +184,28 @@ class Comm:
 _ABORT_TAG = (1 << 30) + 11  # never sent: receives on it only time out
 
 
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # the memory each backend's messages use
+
+
+def backend_device_types(backend: str | None) -> frozenset[str] | None:
+    """Device types whose tensors a backend's point-to-point messages carry: ``gloo``
+    host memory, ``nccl`` CUDA memory, a multi-device backend such as
+    ``cpu:gloo,cuda:nccl`` each listed type. None when unknown (nothing is checked)."""
+    if not backend:
+        return None
+    kinds = set()
+    for part in backend.lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        kind = device or _BACKEND_DEVICES.get(name)
+        if kind is None:
+            return None
+        kinds.add(kind)
+    return frozenset(kinds)
+
+
 def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
+    """Where a group's collective buffers (``all_gather_object``) live."""
+    if _BACKEND_DEVICES.get(backend) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .comm import Comm
+from .comm import Comm, backend_device_types
 from .errors import FingerprintMismatchError, TensorMismatchError
 from .plan import Plan
 from .schedule import Schedule, flat_schedule
@@ -119,37 +119,18 @@ def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
         return f"reading the local tensors failed: {e!r}"
 
 
-_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
-
-
-def backend_device_types(backend: str | None) -> frozenset[str] | None:
-    """Device types whose tensors a backend's point-to-point messages carry: ``gloo``
-    host memory, ``nccl`` CUDA memory, a multi-device backend such as
-    ``cpu:gloo,cuda:nccl`` each listed type. None when unknown (nothing is checked)."""
-    if not backend:
-        return None
-    kinds = set()
-    for part in backend.lower().split(","):
-        device, _, name = part.strip().rpartition(":")
-        kind = device or _BACKEND_DEVICES.get(name)
-        if kind is None:
-            return None
-        kinds.add(kind)
-    return frozenset(kinds)
-
-
 def _device_problem(held: list[tuple[str, str, torch.Tensor]],
                     backend: str | None) -> str | None:
     """All of a rank's tensors on one device, of a type its backend can send. Gloo reads
     a tensor's memory through its raw pointer, so a CUDA tensor would be read as host
     memory; NCCL cannot send host memory at all."""
     allowed = backend_device_types(backend)
+    first_side, first_name, first = held[0] if held else ("", "", None)
     for side, name, tensor in held:
         if allowed is not None and tensor.device.type not in allowed:
             return (f"{side} tensor {name!r} is on {tensor.device}, which the {backend} "
                     f"backend cannot send or receive (it carries "
                     f"{', '.join(sorted(allowed))} tensors)")
-        first_side, first_name, first = held[0]
         if tensor.device != first.device:
             return (f"{side} tensor {name!r} is on {tensor.device} but {first_side} tensor "
                     f"{first_name!r} is on {first.device}: one rank's tensors must share "

@@ -71,6 +71,8 @@ class RankRunner:
         self.comm, self.rank, self.dtypes = comm, comm.rank, dtypes
         rank = comm.rank
         self.rounds = [self._split_round(k, hops) for k, hops in _my_rounds(schedule, rank)]
+        self._total_sent = sum(h.nbytes for *_, sends, _ in self.rounds
+                               for *_, hops, _ in sends[0] for h in hops)
         self.views = RegionViews((h for _, hops in _my_rounds(schedule, rank) for h in hops),
                                  rank, dtypes)
         self.device = torch.device("cpu")
@@ -146,8 +148,6 @@ class RankRunner:
             self._direct, self._early_meta = {}, {}
 
     def _run_all(self, send_arena: torch.Tensor, recv_arena: torch.Tensor) -> RunStats:
-        total = sum(h.nbytes for *_, sends, _ in self.rounds for *_, hops, _ in sends[0]
-                    for h in hops)
         try:
             early = {} if self.ordered else self._post_direct()
             for k, local, sends, recvs in self.rounds:
@@ -159,7 +159,7 @@ class RankRunner:
                                     early)
                 self.stats.rounds += 1
                 if self.progress is not None:
-                    self.progress(self.stats.bytes_sent, total)
+                    self.progress(self.stats.bytes_sent, self._total_sent)
             for k, works in early.items():
                 self._finish_early(k, works)
             mismatch = self._exchange_digests() if self.checksum else None
@@ -224,8 +224,7 @@ class RankRunner:
             # source reads were tried for the unpacked path up front; forwards only now
             buf = self.views.direct_src(hops) if hops[0].read_from == DEST else None
             if buf is None:
-                buf = send_arena[a:b]
-                self._pack(send_arena, a, hops, offsets, buf)
+                buf = self._pack(send_arena, a, b, hops, offsets)
             else:
                 self.stats.direct_messages += 1
             send_works += self.comm.exchange([(buf, peer)], (), k)
@@ -242,9 +241,7 @@ class RankRunner:
                 self._wait(work)
             if self.on_receive is not None or self.checksum:
                 self._arrived(k, peer, recv_arena[a:b])
-            for h, off in zip(hops, offsets):
-                self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
-                self.stats.bytes_received += h.nbytes
+            self._unpack(recv_arena, a, hops, offsets)
         for work in send_works:
             self._wait(work)
 
@@ -256,44 +253,51 @@ class RankRunner:
         order on both ends whatever each end packs."""
         incoming = []
         for peer, a, b, hops, offsets in recvs:
-            direct = self.views.direct_dst(hops)
-            buf = direct if direct is not None else recv_arena[a:b]
-            self.stats.direct_messages += direct is not None
-            incoming.append((peer, buf, direct is not None, a, hops, offsets))
+            buf = self.views.direct_dst(hops)
+            if buf is not None:
+                self.stats.direct_messages += 1
+            incoming.append((peer, buf, a, b, hops, offsets))
         outgoing = []
         for peer, a, b, hops, offsets in sends:
             buf = self.views.direct_src(hops)
             if buf is None:
-                buf = send_arena[a:b]
-                self._pack(send_arena, a, hops, offsets, buf)
+                buf = self._pack(send_arena, a, b, hops, offsets)
             else:
                 self.stats.direct_messages += 1
             outgoing.append((buf, peer))
             if self.checksum:
                 self._note("send", k, peer, buf)
             self._count_sent(peer, hops)
-        works = self.comm.exchange(outgoing, [(buf, peer) for peer, buf, *_ in incoming], k)
+        works = self.comm.exchange(
+            outgoing, [(recv_arena[a:b] if buf is None else buf, peer)
+                       for peer, buf, a, b, _, _ in incoming], k)
         self._copy_local(local)
         for work in works:
             self._wait(work)
-        for peer, buf, direct, a, hops, offsets in incoming:
+        for peer, buf, a, b, hops, offsets in incoming:
             if self.on_receive is not None or self.checksum:
-                self._arrived(k, peer, buf)
-            if direct:
+                self._arrived(k, peer, recv_arena[a:b] if buf is None else buf)
+            if buf is not None:  # it arrived in place
                 self.stats.bytes_received += hops[0].nbytes
-                continue
-            for h, off in zip(hops, offsets):
-                self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
-                self.stats.bytes_received += h.nbytes
+            else:
+                self._unpack(recv_arena, a, hops, offsets)
 
-    def _pack(self, arena: torch.Tensor, start: int, hops: list[Hop], offsets: list[int],
-              buf: torch.Tensor) -> None:
+    def _pack(self, send_arena: torch.Tensor, a: int, b: int, hops: list[Hop],
+              offsets: list[int]) -> torch.Tensor:
+        """Copy one message's regions into ``send_arena[a:b]`` and return that slice."""
         try:
             for h, off in zip(hops, offsets):
-                self.views.slot(arena, "send", start + off, h).copy_(self.views.read(h))
+                self.views.slot(send_arena, "send", a + off, h).copy_(self.views.read(h))
         except Exception as e:  # keep the protocol whole: peers get their bytes
             self.read_error = self.read_error or e
-            buf.zero_()
+            send_arena[a:b].zero_()
+        return send_arena[a:b]
+
+    def _unpack(self, recv_arena: torch.Tensor, a: int, hops: list[Hop],
+                offsets: list[int]) -> None:
+        for h, off in zip(hops, offsets):
+            self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
+            self.stats.bytes_received += h.nbytes
 
     def _copy_local(self, local: list[Hop]) -> None:
         for h in local:  # local copies overlap the messages in flight

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import reshard as R
-from reshard.executor import Executor, backend_device_types, local_problem
+from reshard.comm import backend_device_types
+from reshard.executor import Executor, local_problem
 
 from ._inproc import ThreadComm, run_ranks
 
