@@ -1,9 +1,11 @@
 """Carry out a plan over torch.distributed: validate on every rank, then move bytes.
 
 Every rank of the group calls :meth:`Executor.run` (ranks with nothing to move too):
-one small collective first checks that all ranks hold the same plan (fingerprint) and
-that every local tensor matches its layout; if anything is wrong, every rank raises
-the same error and no byte moves. Then each rank runs its part of the schedule.
+one small collective first checks that all ranks hold the same plan (fingerprint), the
+same schedule (method, staging budget and fast domains: two ranks that schedule the
+same plan differently would pair the wrong messages or wait forever) and that every
+local tensor matches its layout; if anything is wrong, every rank raises the same error
+and no byte moves. Then each rank runs its part of the schedule.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Executor:
         self.comm = comm if comm is not None else Comm.from_group()
         self.rank = self.comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
+        self._key: tuple[tuple[str, str], ...] | None = None
         self.schedule = self._build(topology)
         self._runner = None if method == "gather_broadcast" else RankRunner(
             self.schedule, self.comm, dtypes=self.dtypes)
@@ -60,6 +63,19 @@ class Executor:
 
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
+
+    def schedule_key(self) -> tuple[tuple[str, str], ...]:
+        """What shapes this rank's schedule besides the plan, as (name, value) pairs;
+        every rank of a transfer must have the same."""
+        if self._key is not None:
+            return self._key
+        key = [("method", self.method), ("budget_bytes", str(self.budget_bytes))]
+        if self.method == "reshard":
+            src, dst = self.plan.ranks()
+            domains = ",".join(str(self.topology.domain(r)) for r in sorted(src | dst))
+            key.append(("fast domains of ranks " + _ranges(src | dst), domains))
+        self._key = tuple(key)
+        return self._key
 
     def _build(self, topology: Any) -> Schedule | None:
         if self.method == "gather_broadcast":
@@ -84,17 +100,48 @@ class Executor:
     def check(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
         """Agree with every rank of the group on the plan and on the tensors, or raise."""
         problem = local_problem(self.plan, self.rank, src, dst, backend=self.comm.backend)
-        views = self.comm.all_gather_object((self.rank, self.plan.fingerprint(), problem))
-        prints = {fp for _, fp, _ in views}
+        views = self.comm.all_gather_object(
+            (self.rank, self.plan.fingerprint(), problem, self.schedule_key()))
+        prints = {fp for _, fp, _, _ in views}
         if len(prints) > 1:
-            who = {fp: [r for r, f, _ in views if f == fp] for fp in prints}
+            who = {fp: [r for r, f, _, _ in views if f == fp] for fp in prints}
             raise FingerprintMismatchError(
                 f"ranks built different plans (fingerprint -> ranks: {who}); nothing was moved")
-        problems = [(r, p) for r, _, p in views if p]
+        differ = schedule_disagreement([(r, k) for r, _, _, k in views])
+        if differ:
+            raise FingerprintMismatchError(f"{differ}; nothing was moved")
+        problems = [(r, p) for r, _, p, _ in views if p]
         if problems:
             r, p = problems[0]
             more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
             raise TensorMismatchError(f"rank {r}: {p}{more}; nothing was moved")
+
+
+def schedule_disagreement(keys: list[tuple[int, tuple[tuple[str, str], ...]]]) -> str | None:
+    """``None`` if every rank's :meth:`Executor.schedule_key` is the same, else a
+    sentence naming the first setting that differs and which ranks hold each value."""
+    if len({k for _, k in keys}) <= 1:
+        return None
+    for i, (name, _) in enumerate(keys[0][1]):
+        values: dict[str, list[int]] = {}
+        for r, k in keys:
+            values.setdefault(k[i][1] if i < len(k) else "(none)", []).append(r)
+        if len(values) > 1:
+            who = "; ".join(f"{v} on ranks {_ranges(rs)}" for v, rs in values.items())
+            return (f"the ranks would schedule the plan differently: {name} differ ({who}); "
+                    "give every rank the same")
+    return f"the ranks would schedule the plan differently: {dict(keys)}"
+
+
+def _ranges(ranks) -> str:
+    """0-3,6 for {0, 1, 2, 3, 6}."""
+    rs, out = sorted(ranks), []
+    for r in rs:
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
 def _checksum_kind(checksum: bool | str | None) -> str | None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .errors import ReshardError, TensorMismatchError, TransferError
-from .executor import DEFAULT_BUDGET_BYTES, Executor, local_problem
+from .executor import DEFAULT_BUDGET_BYTES, METHODS, Executor, local_problem
 from .layout import Layout
 from .plan import Plan
 from .plan import plan as make_plan
@@ -86,29 +86,44 @@ class _Side:
 
     def _setup(self, meeting: Meeting) -> None:
         """Plans and executors for a meeting (the first one or a reconnect)."""
-        policy = self._options[0]
+        policy, budget_bytes, _ = self._options
         self.meeting, self.comm, self.rank = meeting, meeting.comm, meeting.rank
-        self.executors = self._build_executors(meeting)
-        # one collective: both sides agree on the checksum option (a digest nobody reads
-        # would hang) and learn the newest version any rank committed (see _reconciled)
+        # one collective before any executor is built: both sides must schedule the plan
+        # alike (two ends of a message that disagree on its round or method pair the
+        # wrong messages or wait forever), so they agree on the trainer's policy (a
+        # receiver has none), on the staging budget (the smallest any rank asked for:
+        # one schedule has to respect every rank's cap) and on the checksum option (a
+        # digest nobody reads would hang); they also learn the newest version any rank
+        # committed (see _reconciled)
         kind = _checksum_kind(self.checksum)
-        problem = (f"rank {self.rank}: checksum does not cover the gather_broadcast policy"
-                   if kind and policy and "gather_broadcast" in set(policy.values()) else None)
-        views = self.comm.all_gather_object((kind, problem, self.version))
-        problems = [p for _, p, _ in views if p]
-        if problems or len({k for k, _, _ in views}) > 1:
-            raise ReshardError(problems[0] if problems else "the ranks disagree on the "
-                               f"checksum option: {[k for k, _, _ in views]}; nothing was "
-                               "moved")
-        self._reconciled(max(v for _, _, v in views))
+        problem = _policy_problem(meeting.plan, policy)
+        if problem is None and kind and policy and "gather_broadcast" in set(policy.values()):
+            problem = "checksum does not cover the gather_broadcast policy"
+        mine = (meeting.side, sorted((policy or {}).items()), budget_bytes, kind, problem,
+                self.version)
+        views = self.comm.all_gather_object(mine)
+        bad = [(r, v[4]) for r, v in enumerate(views) if v[4]]
+        if bad:
+            raise ReshardError(f"rank {bad[0][0]}: {bad[0][1]}; nothing was moved")
+        if len({v[3] for v in views}) > 1:
+            raise ReshardError("the ranks disagree on the checksum option: "
+                               f"{[v[3] for v in views]}; nothing was moved")
+        policies = {tuple(v[1]) for v in views if v[0] == "trainer"}
+        if len(policies) > 1:
+            raise ReshardError("the trainer ranks give different policies "
+                               f"({[dict(p) for p in sorted(policies)]}); nothing was moved")
+        self.policy = dict(policies.pop()) if policies else {}
+        self.budget_bytes = min(v[2] for v in views)
+        self.executors = self._build_executors(meeting)
+        self._reconciled(max(v[5] for v in views))
         self.pending = None
 
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         """One executor per policy method (``reshard`` for every tensor by default)."""
-        policy, budget_bytes, progress = self._options
+        progress = self._options[2]
         executors = []
-        for method, sub in _split_by_policy(meeting.plan, policy or {}).items():
-            ex = Executor(sub, self.comm, method=method, budget_bytes=budget_bytes,
+        for method, sub in _split_by_policy(meeting.plan, self.policy).items():
+            ex = Executor(sub, self.comm, method=method, budget_bytes=self.budget_bytes,
                           checksum=self.checksum if method != "gather_broadcast" else False)
             if ex._runner is not None and progress:
                 ex._runner.progress = progress if callable(progress) else _print_progress
@@ -370,10 +385,20 @@ def _locals(params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
     return _Lazy()
 
 
-def _split_by_policy(plan: Plan, policy: Mapping[str, str]) -> dict[str, Plan]:
+def _policy_problem(plan: Plan, policy: Mapping[str, str] | None) -> str | None:
+    """What is wrong with a per-parameter policy, as a sentence, or None."""
+    if not policy:
+        return None
     unknown = sorted(set(policy) - set(plan.names))
     if unknown:
-        raise ReshardError(f"policy names parameters that are not in the plan: {unknown[:5]}")
+        return f"the policy names parameters that are not in the plan: {unknown[:5]}"
+    methods = sorted(set(policy.values()) - set(METHODS))
+    if methods:
+        return f"the policy names unknown methods {methods}; expected one of {METHODS}"
+    return None
+
+
+def _split_by_policy(plan: Plan, policy: Mapping[str, str]) -> dict[str, Plan]:
     groups: dict[str, list] = {}
     for t in plan.tensors:
         groups.setdefault(policy.get(t.name, "reshard"), []).append(t)

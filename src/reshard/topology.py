@@ -26,6 +26,8 @@ from .schedule import DEST, Hop, RoundPacker, Schedule, is_solo, split_hop
 
 __all__ = ["Topology", "domain_schedule", "link_bytes", "inter_domain_lower_bound"]
 
+ENV_VARS = ("RESHARD_DOMAINS", "RESHARD_DOMAIN_SIZE")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -51,25 +53,66 @@ class Topology:
         return cls(domain_size=domain_size, **kw)
 
     @classmethod
-    def from_env(cls, default: Topology | None = None) -> Topology | None:
-        """``RESHARD_DOMAIN_SIZE=8`` or ``RESHARD_DOMAINS=0,0,1,1`` (domain of rank i)."""
-        if os.environ.get("RESHARD_DOMAINS"):
-            ids = [int(x) for x in os.environ["RESHARD_DOMAINS"].split(",")]
+    def from_env(cls, default: Topology | None = None, *,
+                 env: Mapping[str, str] | None = None) -> Topology | None:
+        """``RESHARD_DOMAIN_SIZE=8`` or ``RESHARD_DOMAINS=0,0,1,1`` (domain of rank i),
+        read from ``env`` (``os.environ`` by default); ``default`` if neither is set."""
+        env = os.environ if env is None else env
+        domains, size = (env.get(k, "").strip() for k in ENV_VARS)
+        if domains and size:
+            raise LayoutError(f"both RESHARD_DOMAINS={domains!r} and RESHARD_DOMAIN_SIZE="
+                              f"{size!r} are set: set one of them")
+        if domains:
+            try:
+                ids = [int(x) for x in domains.split(",")]
+            except ValueError:
+                raise LayoutError(f"RESHARD_DOMAINS={domains!r}: expected the domain of rank "
+                                  "0, 1, ... as comma-separated integers, e.g. 0,0,1,1"
+                                  ) from None
             return cls(domains=dict(enumerate(ids)))
-        if os.environ.get("RESHARD_DOMAIN_SIZE"):
-            return cls.uniform(int(os.environ["RESHARD_DOMAIN_SIZE"]))
+        if size:
+            if not size.isdigit() or int(size) < 1:
+                raise LayoutError(f"RESHARD_DOMAIN_SIZE={size!r}: expected a positive "
+                                  "integer (ranks per domain, e.g. 8)")
+            return cls.uniform(int(size))
         return default
 
     @classmethod
-    def detect(cls, comm: Any, key: Callable[[], str] | None = None) -> Topology:
+    def detect(cls, comm: Any, key: Callable[[], str] | None = None, *,
+               env: Mapping[str, str] | None = None) -> Topology:
         """Ranks that report the same host (and network namespace) share a domain.
-        The environment variables of :meth:`from_env` override it."""
-        override = cls.from_env()
+        The environment variables of :meth:`from_env` override it; every rank must then
+        have the same setting. Collective over ``comm``: a bad or differing setting
+        raises the same :class:`LayoutError` on every rank."""
+        env = os.environ if env is None else env
+        override, problem = None, None
+        try:
+            override = cls.from_env(env=env)
+            if override is not None and override.domains is not None \
+                    and len(override.domains) != comm.size:
+                problem = (f"RESHARD_DOMAINS names the domains of {len(override.domains)} "
+                           f"ranks, but the group has {comm.size}")
+        except LayoutError as e:
+            problem = str(e)
+        setting = " ".join(f"{k}={env[k].strip()}" for k in ENV_VARS
+                           if env.get(k, "").strip()) or "no setting"
+        views = comm.all_gather_object((setting, (key or _host_key)(), problem))
+        bad = [(r, p) for r, (_, _, p) in enumerate(views) if p]
+        if bad:
+            r, p = bad[0]
+            raise LayoutError(f"rank {r}: {p}")
+        settings = {s for s, _, _ in views}
+        if len(settings) > 1:
+            who = "; ".join(f"{s} on ranks "
+                            f"{[r for r, v in enumerate(views) if v[0] == s]}"
+                            for s in sorted(settings))
+            raise LayoutError(f"the ranks' fast-domain settings differ ({who}): set "
+                              "RESHARD_DOMAINS or RESHARD_DOMAIN_SIZE alike on every rank, "
+                              "or on none")
         if override is not None:
             return override
-        names = comm.all_gather_object((key or _host_key)())
         ids: dict[str, int] = {}
-        return cls(domains={r: ids.setdefault(n, len(ids)) for r, n in enumerate(names)})
+        return cls(domains={r: ids.setdefault(n, len(ids)) for r, (_, n, _) in enumerate(views)})
 
     def domain(self, rank: int) -> int:
         if self.domain_size is not None:

@@ -1,9 +1,13 @@
-"""Jobs of the refit test: ``python _refit_jobs.py trainer|inference PORT DIR [--fail-at N]``.
+"""Jobs of the refit test: ``python _refit_jobs.py trainer|inference PORT DIR [--fail-at N]
+[--mixed]``.
 
 The trainer job is a real FSDP2 model (``fully_shard``) on its own gloo world taking SGD
 steps; after each step it refits the inference job (a TP2 layout with a fused qkv
 parameter, a fused gate_up parameter and a padded vocabulary) and saves the full state
 dict it sent. The inference job checks every refit bit for bit against that file.
+``--mixed``: the trainer alone gives a per-parameter policy (two tensors on
+gather_broadcast) and a staging budget smaller than one tensor; the inference side
+gives neither, so the two sides must agree on both before anything moves.
 """
 
 from __future__ import annotations
@@ -67,7 +71,10 @@ class FailingParams(dict):
         return super().__getitem__(name)
 
 
-def trainer(rank, world, port, out_dir, fail_at):
+MIXED_POLICY = {"embed.weight": "gather_broadcast", "down_proj.weight": "gather_broadcast"}
+
+
+def trainer(rank, world, port, out_dir, fail_at, mixed=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -75,8 +82,10 @@ def trainer(rank, world, port, out_dir, fail_at):
     model = Tiny()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     params = FailingParams(dict(model.named_parameters()), fail_at)
+    extra = dict(policy=MIXED_POLICY, budget_bytes=1024) if mixed else {}
     sender = RefitSender(params, host="127.0.0.1", port=port, rank=rank, trainer_size=world,
-                         inference_size=TP, timeout=__import__("datetime").timedelta(seconds=60))
+                         inference_size=TP, timeout=__import__("datetime").timedelta(seconds=60),
+                         **extra)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     log = []
     for step in range(1, STEPS + 1):
@@ -126,7 +135,7 @@ def inference_layouts(rank: int):
     return targets, layouts, (qkv, gate_up, embed)
 
 
-def inference(rank, world, port, out_dir, fail_at):
+def inference(rank, world, port, out_dir, fail_at, mixed=False):
     targets, layouts, fused = inference_layouts(rank)
     receiver = RefitReceiver(targets, layouts, host="127.0.0.1", port=port, rank=rank,
                              trainer_size=2, inference_size=TP,
@@ -156,8 +165,8 @@ def inference(rank, world, port, out_dir, fail_at):
         exact = exact and bool((emb[real:] == -5.0).all())
         log.append({"step": step, "ok": True, "exact": exact, "bad": bad,
                     "version": receiver.version,
-                    "received": stats.bytes_received, "fused_ok": fused[0].data_ptr() ==
-                    targets["q_proj.weight"].data_ptr()})
+                    "received": stats.bytes_received, "rounds": stats.rounds,
+                    "fused_ok": fused[0].data_ptr() == targets["q_proj.weight"].data_ptr()})
     return log
 
 
@@ -167,13 +176,14 @@ def main() -> None:
     ap.add_argument("port", type=int)
     ap.add_argument("out_dir")
     ap.add_argument("--fail-at", type=int, default=-1)
+    ap.add_argument("--mixed", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if a.side == "trainer":
-        logs = run_processes(trainer, 2, a.port, a.out_dir, a.fail_at, timeout=240)
+        logs = run_processes(trainer, 2, a.port, a.out_dir, a.fail_at, a.mixed, timeout=240)
     else:
-        logs = run_processes(inference, TP, a.port, a.out_dir, a.fail_at, timeout=240,
-                             init=False)
+        logs = run_processes(inference, TP, a.port, a.out_dir, a.fail_at, a.mixed,
+                             timeout=240, init=False)
     print(json.dumps(logs), flush=True)
 
 

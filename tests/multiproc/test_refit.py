@@ -47,6 +47,19 @@ def test_fsdp2_trainer_refits_fused_tp2_inference_bit_exact(tmp_path):
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
 
 
+def test_trainer_only_policy_and_budget_are_agreed_by_both_sides(tmp_path):
+    """The policy and a small budget are the trainer's alone; the receivers follow."""
+    trainer, inference = _run(tmp_path, "--mixed")
+    for rank_log in inference:
+        assert [e["version"] for e in rank_log] == [1, 2, 3]
+        assert all(e["ok"] and e["exact"] and e["fused_ok"] for e in rank_log), rank_log
+        # gather_broadcast delivers the whole 50 x 16 embedding and 16 x 24 down_proj to
+        # every receiver; the 1 KiB budget splits the rest into many rounds
+        assert rank_log[0]["received"] > (50 * 16 + 16 * 24) * 4
+        assert rank_log[0]["rounds"] > 4
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
+
+
 def test_sender_failing_midway_keeps_previous_version(tmp_path):
     trainer, inference = _run(tmp_path, "--fail-at", "2")
     for rank_log in inference:
