@@ -10,9 +10,12 @@ weight moves; if any rank disagrees, every rank raises ``FingerprintMismatchErro
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+
+import torch.distributed as dist
 
 from .comm import Comm
 from .errors import FingerprintMismatchError, PlanError
@@ -44,13 +47,19 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     """
     if side not in SIDES:
         raise PlanError(f"side must be one of {SIDES}, got {side!r}")
+    if trainer_size < 1 or inference_size < 1:
+        raise PlanError(f"trainer_size and inference_size must be >= 1, got {trainer_size} "
+                        f"and {inference_size}")
     size = trainer_size if side == "trainer" else inference_size
     if not 0 <= side_rank < size:
         raise PlanError(f"side_rank must be in [0, {size}) for the {side}, got {side_rank}")
     offset = 0 if side == "trainer" else trainer_size
     rank = side_rank + offset
-    comm = Comm.from_store(host, port, rank, trainer_size + inference_size, backend=backend,
-                           timeout=timeout)
+    world = trainer_size + inference_size
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    _agree_on_sizes(store, side, side_rank, (trainer_size, inference_size, backend), timeout)
+    comm = Comm.from_existing_store(store, rank, world, backend=backend, timeout=timeout)
     mine = {name: lay.shifted(offset) for name, lay in layouts.items()}
     if side_rank == 0:
         comm.store.set(f"reshard/layouts/{side}", pickle.dumps(mine))
@@ -67,6 +76,37 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     _agree(views)
     assert the_plan is not None
     return Meeting(comm, the_plan, rank, side, offset)
+
+
+def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str],
+                    timeout: timedelta) -> None:
+    """Before the group forms: both jobs must give the same sizes and backend, or the
+    group would wait for ranks that never come. Each side's rank 0 publishes what its
+    job was given; every rank compares both with its own and raises ``PlanError`` at
+    once. The store's host (trainer rank 0) waits, within ``timeout``, until every rank
+    that will come has read, so no rank loses the store before it learns why."""
+    if side_rank == 0:
+        store.set(f"reshard/setup/{side}", pickle.dumps(mine))
+    keys = [f"reshard/setup/{s}" for s in SIDES]
+    store.wait(keys, timeout)
+    said = dict(zip(SIDES, (pickle.loads(store.get(k)) for k in keys)))
+    store.add("reshard/setup/read", 1)
+    if said["trainer"] == said["inference"] == mine:
+        return
+    if side == "trainer" and side_rank == 0:  # the host: keep the store up for the others
+        coming = said["trainer"][0] + said["inference"][1]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while store.add("reshard/setup/read", 0) < coming and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def text(v: tuple[int, int, str]) -> str:
+        return f"trainer_size={v[0]}, inference_size={v[1]}, backend={v[2]!r}"
+
+    parts = [f"the {s} job's rank 0 was given {text(v)}" for s, v in said.items()]
+    if mine not in said.values():
+        parts.append(f"this rank ({side} rank {side_rank}) was given {text(mine)}")
+    raise PlanError("the two jobs disagree on the group: " + "; ".join(parts)
+                    + "; nothing was moved")
 
 
 def _agree(views: list[tuple[int, str | None, str | None]]) -> None:

@@ -1,4 +1,5 @@
-"""One side of the two-job rendezvous test: ``python _two_jobs.py SIDE PORT [--bad-rank N]``.
+"""One side of the two-job rendezvous test: ``python _two_jobs.py SIDE PORT [--bad-rank N]
+[--sizes T,I]`` (``--sizes``: the trainer and inference sizes this job claims).
 
 Starts its own job of local processes (no shared default group), meets the other job at
 a TCP store, refits, and prints one JSON line per rank.
@@ -34,12 +35,12 @@ def inference_layouts() -> dict[str, R.Layout]:
             "norm": R.Layout((24,), mesh, [R.Replicate()], "bfloat16")}
 
 
-def _rank(side_rank, _size, side, port, bad_rank):
+def _rank(side_rank, _size, side, port, bad_rank, sizes=(TRAINER, INFERENCE)):
     layouts = (trainer_layouts(side_rank == bad_rank) if side == "trainer"
                else inference_layouts())
     try:
-        m = meet("127.0.0.1", port, side=side, side_rank=side_rank, trainer_size=TRAINER,
-                 inference_size=INFERENCE, layouts=layouts)
+        m = meet("127.0.0.1", port, side=side, side_rank=side_rank, trainer_size=sizes[0],
+                 inference_size=sizes[1], layouts=layouts)
     except R.ReshardError as e:
         return {"side": side, "rank": side_rank, "error": type(e).__name__, "message": str(e)}
     src, dst = {}, {}
@@ -59,9 +60,12 @@ def main() -> None:
     ap.add_argument("side")
     ap.add_argument("port", type=int)
     ap.add_argument("--bad-rank", type=int, default=-1)
+    ap.add_argument("--sizes", default=f"{TRAINER},{INFERENCE}")
     a = ap.parse_args()
     size = TRAINER if a.side == "trainer" else INFERENCE
-    for r in run_processes(_rank, size, a.side, a.port, a.bad_rank, init=False, timeout=120):
+    sizes = tuple(int(x) for x in a.sizes.split(","))
+    for r in run_processes(_rank, size, a.side, a.port, a.bad_rank, sizes, init=False,
+                           timeout=120):
         print(json.dumps(r), flush=True)
 
 

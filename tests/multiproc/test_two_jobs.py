@@ -15,11 +15,11 @@ pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("_two_jobs.py")
 
 
-def _run_jobs(*trainer_args: str) -> list[dict]:
+def _run_jobs(*trainer_args: str, inference_args: tuple[str, ...] = ()) -> list[dict]:
     port = free_port()
     jobs = [subprocess.Popen([sys.executable, str(SCRIPT), side, str(port), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for side, extra in (("trainer", trainer_args), ("inference", ()))]
+            for side, extra in (("trainer", trainer_args), ("inference", inference_args))]
     out = []
     try:
         for job in jobs:
@@ -46,3 +46,17 @@ def test_disagreeing_layouts_refused_on_every_rank():
     assert len(results) == 6
     assert {r.get("error") for r in results} == {"FingerprintMismatchError"}, results
     assert all("built different plans" in r["message"] for r in results)
+
+
+def test_jobs_disagreeing_on_sizes_refused_on_every_rank_before_the_group_forms():
+    """The inference job miscounts the trainer (3 ranks, not 4): without the check the
+    group would wait for a rank that never comes, until the timeout."""
+    results = _run_jobs(inference_args=("--sizes", "3,2"))
+    assert len(results) == 6
+    assert {r.get("error") for r in results} == {"PlanError"}, results
+    for r in results:
+        assert r["message"].startswith("the two jobs disagree on the group: the trainer "
+                                       "job's rank 0 was given trainer_size=4, "
+                                       "inference_size=2, backend='gloo'; the inference "
+                                       "job's rank 0 was given trainer_size=3,"), r
+        assert r["message"].endswith("nothing was moved")
