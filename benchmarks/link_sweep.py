@@ -2,13 +2,15 @@
 
     sudo python benchmarks/link_sweep.py [--src tp4] [--dst tp2,dp2] [--model-bytes 256MiB]
         [--nodes 2] [--rates 500,1000,2000,4000,8000,16000] [--repeats 5]
-        [--plot sweep.png] [--json]
+        [--nic-per-rank] [--plot sweep.png] [--json]
 
 Runs ``reshard bench`` once on plain local processes (one node, no slow link) and
 once on emulated nodes per link rate (network namespaces and ``tc``: needs root),
 every destination verified, and prints for each run ``reshard``'s speed-up over
 ``p2p`` and over ``gather_broadcast``. ``--plot`` draws both against the link rate,
-with the single-node speed-up over ``gather_broadcast`` as a line.
+with the single-node speed-up over ``gather_broadcast`` as a line. ``--nic-per-rank``
+gives every rank its own card of each rate (as every GPU has its own NIC) instead of
+one link per node.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     ap.add_argument("--rates", default="500,1000,2000,4000,8000,16000",
                     help="node link rates in Mbit/s, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--nic-per-rank", action="store_true",
+                    help="every rank gets its own card of each rate, not one link per node")
     ap.add_argument("--plot", help="write a chart of the speed-ups to this file")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     a = ap.parse_args()
@@ -50,18 +54,21 @@ def main() -> None:
     rows = [_row("one node", run_bench(BenchConfig(**base)))]
     print(_line(rows[-1]), flush=True)
     for rate in rates:
-        out = run_bench(BenchConfig(**base, nodes=a.nodes, link_mbit=rate))
-        rows.append(_row(f"{a.nodes} nodes, {rate:g} Mbit/s", out) | {"link_mbit": rate})
+        out = run_bench(BenchConfig(**base, nodes=a.nodes, link_mbit=rate,
+                                    nic_per_rank=a.nic_per_rank))
+        per = "card" if a.nic_per_rank else "node"
+        rows.append(_row(f"{a.nodes} nodes, {rate:g} Mbit/s per {per}", out)
+                    | {"link_mbit": rate})
         print(_line(rows[-1]), flush=True)
     if a.plot:
         _plot(rows, a)
     if a.json:
         print(json.dumps({"src": a.src, "dst": a.dst, "model_bytes": base["model_bytes"],
-                          "runs": rows}))
+                          "nic_per_rank": a.nic_per_rank, "runs": rows}))
 
 
 def _line(row: dict) -> str:
-    return (f"{row['run']:>24}: reshard {row['reshard_s']:.3f} s, p2p {row['p2p_s']:.3f} s, "
+    return (f"{row['run']:>33}: reshard {row['reshard_s']:.3f} s, p2p {row['p2p_s']:.3f} s, "
             f"gather_broadcast {row['gather_broadcast_s']:.3f} s, floor {row['floor_s']:.3f}"
             f" s -> {row['vs_p2p']:.2f}x vs p2p, {row['vs_gather_broadcast']:.2f}x vs G+B"
             f"{'' if row['verified'] else '  NOT VERIFIED'}")
@@ -82,9 +89,11 @@ def _plot(rows: list[dict], a: argparse.Namespace) -> None:
                label="vs gather_broadcast, one node")
     ax.set_xscale("log")
     ax.set_ylim(0, 1.15 * max(r["vs_gather_broadcast"] for r in rows))
-    ax.set_xlabel("node link rate (Mbit/s)")
+    ax.set_xlabel("link rate per " + ("rank's card" if getattr(a, "nic_per_rank", False)
+                                      else "node") + " (Mbit/s)")
     ax.set_ylabel("reshard speed-up (x)")
-    ax.set_title(f"{a.src} -> {a.dst}, {a.model_bytes}, {a.nodes} emulated nodes")
+    cards = ", a card per rank" if getattr(a, "nic_per_rank", False) else ""
+    ax.set_title(f"{a.src} -> {a.dst}, {a.model_bytes}, {a.nodes} emulated nodes{cards}")
     ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(a.plot, dpi=120)

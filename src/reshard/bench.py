@@ -4,6 +4,7 @@ against the floor (a bare exchange of the same bytes between the same rank pairs
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class BenchConfig:
     """Rate of each emulated node's link in Mbit/s. Loopback inside a node carried about
     33 Gbit/s between 8 processes on the 2-core development machine: 4000 is about 8x
     below it (the NVLink : InfiniBand ratio), the default 500 about 60x."""
+    nic_per_rank: bool = False
+    """On emulated nodes, give every rank its own network card of ``link_mbit`` (as a GPU
+    node has one NIC per GPU) instead of one link of ``link_mbit`` per node."""
     extra: dict = field(default_factory=dict)
 
 
@@ -158,14 +162,17 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
     from .netns import EmulatedCluster
 
     nodes = node_of_rank(cfg)
-    with EmulatedCluster(cfg.nodes, rate_mbit=cfg.link_mbit) as cluster:
+    cards = card_of_rank(nodes) if cfg.nic_per_rank else None
+    with EmulatedCluster(cfg.nodes, rate_mbit=cfg.link_mbit,
+                         nics_per_node=max(cards.values()) + 1 if cards else 1) as cluster:
         names = {r: cluster.ns_name(n) for r, n in nodes.items()}
         per_rank = run_processes(_worker, world, cfg, timeout=timeout,
-                                 setup=partial(_enter, names), master_addr=cluster.node_addr(0),
-                                 env={"GLOO_SOCKET_IFNAME": cluster.iface,
-                                      "TORCH_CPP_LOG_LEVEL": "ERROR"})
+                                 setup=partial(_enter, names, cards),
+                                 master_addr=cluster.node_addr(0),
+                                 env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
     out = _summarise(per_rank, cfg)
     out["nodes"], out["link_mbit"] = cfg.nodes, cfg.link_mbit
+    out["nic_per_rank"] = cfg.nic_per_rank
     out["node_of_rank"] = nodes
     out["link_bytes"] = link_classes(cfg, nodes, plan)
     return out
@@ -183,7 +190,20 @@ def link_classes(cfg: BenchConfig, nodes: dict[int, int], plan=None) -> dict:
             "inter_lower_bound": inter_domain_lower_bound(plan, topo)}
 
 
-def _enter(names: dict[int, str], rank: int) -> None:
-    from .netns import enter_namespace
+def card_of_rank(nodes: dict[int, int]) -> dict[int, int]:
+    """Each rank's own network card on its node: its position among the node's ranks."""
+    seen: dict[int, int] = {}
+    out = {}
+    for r in sorted(nodes):
+        out[r] = seen[nodes[r]] = seen.get(nodes[r], -1) + 1
+    return out
+
+
+def _enter(names: dict[int, str], cards: dict[int, int] | None, rank: int) -> None:
+    from .netns import enter_namespace, use_card
 
     enter_namespace(names[rank])
+    if cards is None:
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the node's one link
+    else:
+        use_card(cards[rank])

@@ -55,7 +55,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=parse_bytes(args.model_bytes),
                       methods=tuple(args.methods.split(",")), repeats=args.repeats,
                       budget_bytes=parse_bytes(args.budget), dtype=args.dtype, nodes=args.nodes,
-                      link_mbit=args.link_mbit)
+                      link_mbit=args.link_mbit, nic_per_rank=args.nic_per_rank)
+    if cfg.nic_per_rank and not cfg.nodes:
+        print("reshard: error: --nic-per-rank needs --nodes K", file=sys.stderr)
+        return 2
     if cfg.nodes:
         from .netns import netns_unavailable_reason
 
@@ -65,7 +68,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"here: {reason}", file=sys.stderr)
             return 2
     if not args.json:
-        where = (f" on {cfg.nodes} emulated nodes ({cfg.link_mbit:g} Mbit/s links)"
+        links = "a card per rank" if cfg.nic_per_rank else "links"
+        where = (f" on {cfg.nodes} emulated nodes ({cfg.link_mbit:g} Mbit/s {links})"
                  if cfg.nodes else " on local processes")
         print(f"reshard bench: {cfg.src} -> {cfg.dst}, {_human(cfg.model_bytes)} {cfg.dtype}"
               f"{where}, methods {','.join(cfg.methods)}, {cfg.repeats} timed refits each",
@@ -139,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer ranks on the first half, inference ranks on the rest")
     b.add_argument("--link-mbit", type=float, default=500.0,
                    help="each emulated node's link rate (Mbit/s)")
+    b.add_argument("--nic-per-rank", action="store_true",
+                   help="with --nodes: every rank gets its own network card of --link-mbit "
+                        "(a GPU node has one NIC per GPU) instead of one link per node")
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
     b.set_defaults(func=cmd_bench)
     p = sub.add_parser("plan", help="print the statistics of a plan")

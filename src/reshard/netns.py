@@ -7,6 +7,16 @@ with a ``netem`` delay under it), so traffic between nodes crosses a slow,
 shaped "inter-node network" while traffic inside one node stays on the fast
 local route (loopback), like NVLink vs InfiniBand.
 
+With ``nics_per_node=n`` each node gets ``n`` such links instead (``eth0`` ..
+``eth{n-1}``, each with its own address and its own rate limit), as a GPU node has
+one network card per GPU. A process inside the node picks its card with
+:func:`use_card`: gloo then listens on the card's address (``GLOO_SOCKET_IFNAME``),
+and routing rules send everything the process sends out of that card. Gloo does not
+bind the sockets it connects, so the rule for those matches the socket's owner: the
+process's filesystem uid (``setfsuid``), one per card, which is also what the kernel
+records as the owner of every socket the process makes. Traffic to a card's address
+comes in through that card.
+
 Requires root (CAP_NET_ADMIN / CAP_SYS_ADMIN) plus the ``ip`` and ``tc`` tools
 from iproute2; :func:`netns_unavailable_reason` says whether this host can do it.
 """
@@ -27,7 +37,11 @@ from typing import Any
 
 __all__ = [
     "EmulatedCluster", "NetnsUnavailableError", "enter_namespace", "netns_unavailable_reason",
+    "use_card",
 ]
+
+CARD_UID_BASE = 61000
+"""Card ``j``'s routing rule matches sockets owned by uid ``CARD_UID_BASE + j``."""
 
 _IFNAMSIZ = 15  # longest Linux interface name
 _instances = itertools.count()  # distinguishes clusters alive at once in one process
@@ -96,6 +110,8 @@ class EmulatedCluster:
     Node ``i`` has address :meth:`node_addr` on interface :attr:`iface`. Traffic
     between processes of one node uses the local route (fast); traffic between
     nodes crosses two shaped veth links and the bridge (``rate_mbit`` each way).
+    With ``nics_per_node=n``, card ``j`` of node ``i`` is :meth:`nic_name` ``(j)``
+    with address :meth:`nic_addr` ``(i, j)``, each card shaped to ``rate_mbit``.
     """
 
     iface = "eth0"
@@ -108,16 +124,22 @@ class EmulatedCluster:
         rate_mbit: float = 1000.0,
         delay_ms: float = 0.0,
         prefix: str = "rsh",
+        nics_per_node: int = 1,
     ) -> None:
         if not 1 <= num_nodes <= 250:
             raise ValueError(f"num_nodes must be in [1, 250], got {num_nodes}")
+        if nics_per_node < 1 or num_nodes * nics_per_node > 250:
+            raise ValueError(f"need nics_per_node >= 1 and at most 250 cards in all, got "
+                             f"{nics_per_node} per node on {num_nodes} nodes")
         if rate_mbit <= 0 or delay_ms < 0:
             raise ValueError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
         pid = os.getpid()
         tag = f"{prefix}{pid}{chr(ord('a') + next(_instances) % 26)}"
-        if len(tag) + max(2, len(f"v{num_nodes - 1}")) > _IFNAMSIZ:
+        longest = f"v{num_nodes - 1}" + (f"n{nics_per_node - 1}" if nics_per_node > 1 else "")
+        if len(tag) + max(2, len(longest)) > _IFNAMSIZ:
             raise ValueError(f"prefix {prefix!r} too long for interface names")
         self._num_nodes = num_nodes
+        self.nics_per_node = nics_per_node
         self.rate_mbit = float(rate_mbit)
         self.delay_ms = float(delay_ms)
         self._tag = tag
@@ -143,12 +165,23 @@ class EmulatedCluster:
         return f"{self._tag}n{i}"
 
     def node_addr(self, i: int) -> str:
-        """IPv4 address of node ``i`` on :attr:`iface`."""
-        self._check(i)
-        return f"{self._subnet}.{i + 1}"
+        """IPv4 address of node ``i`` on :attr:`iface` (its first card)."""
+        return self.nic_addr(i, 0)
 
-    def _host_veth(self, i: int) -> str:
-        return f"{self._tag}v{i}"
+    def nic_name(self, j: int) -> str:
+        """Interface name of card ``j`` inside every node (for ``GLOO_SOCKET_IFNAME``)."""
+        if not 0 <= j < self.nics_per_node:
+            raise IndexError(f"card {j} out of range [0, {self.nics_per_node})")
+        return f"eth{j}"
+
+    def nic_addr(self, i: int, j: int) -> str:
+        """IPv4 address of card ``j`` of node ``i``."""
+        self._check(i)
+        self.nic_name(j)
+        return f"{self._subnet}.{i * self.nics_per_node + j + 1}"
+
+    def _host_veth(self, i: int, j: int = 0) -> str:
+        return f"{self._tag}v{i}" + (f"n{j}" if self.nics_per_node > 1 else "")
 
     # -- running processes ----------------------------------------------------------------
 
@@ -186,18 +219,34 @@ class EmulatedCluster:
     def _setup(self) -> None:
         _run("ip", "link", "add", self._bridge, "type", "bridge")
         _run("ip", "link", "set", self._bridge, "up")
+        several = self.nics_per_node > 1
         for i in range(self._num_nodes):
-            ns, hv = self.ns_name(i), self._host_veth(i)
+            ns = self.ns_name(i)
             in_ns = ("ip", "netns", "exec", ns)
             _run("ip", "netns", "add", ns)
             _run(*in_ns, "ip", "link", "set", "lo", "up")
-            _run("ip", "link", "add", hv, "type", "veth", "peer", "name", self.iface, "netns", ns)
-            _run("ip", "link", "set", hv, "master", self._bridge)
-            _run("ip", "link", "set", hv, "up")
-            _run(*in_ns, "ip", "addr", "add", f"{self.node_addr(i)}/24", "dev", self.iface)
-            _run(*in_ns, "ip", "link", "set", self.iface, "up")
-            self._shape(in_ns, self.iface)  # node -> network
-            self._shape((), hv)  # network -> node
+            if several:  # each card answers ARP for its own address only; no reverse-path
+                # filter (replies to a card's address may come in on another card)
+                _run(*in_ns, "sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=1",
+                     "net.ipv4.conf.all.arp_announce=2", "net.ipv4.conf.all.rp_filter=0",
+                     "net.ipv4.conf.default.rp_filter=0")
+            for j in range(self.nics_per_node):
+                hv, dev, addr = self._host_veth(i, j), self.nic_name(j), self.nic_addr(i, j)
+                _run("ip", "link", "add", hv, "type", "veth", "peer", "name", dev, "netns", ns)
+                _run("ip", "link", "set", hv, "master", self._bridge)
+                _run("ip", "link", "set", hv, "up")
+                _run(*in_ns, "ip", "addr", "add", f"{addr}/24", "dev", dev)
+                _run(*in_ns, "ip", "link", "set", dev, "up")
+                if several:  # sockets of the card's user, or answering at its address,
+                    # leave by the card, with its address
+                    table = str(100 + j)
+                    uid = str(CARD_UID_BASE + j)
+                    _run(*in_ns, "ip", "rule", "add", "from", addr, "table", table)
+                    _run(*in_ns, "ip", "rule", "add", "uidrange", f"{uid}-{uid}", "table", table)
+                    _run(*in_ns, "ip", "route", "add", f"{self._subnet}.0/24", "dev", dev,
+                         "src", addr, "table", table)
+                self._shape(in_ns, dev)  # node -> network
+                self._shape((), hv)  # network -> node
 
     def close(self) -> None:
         """Kill processes started here and remove namespaces, veths and bridge (idempotent)."""
@@ -216,7 +265,8 @@ class EmulatedCluster:
                 for pid in pids:
                     with contextlib.suppress(OSError, ValueError):
                         os.kill(int(pid), signal.SIGKILL)
-            _quiet("ip", "link", "del", self._host_veth(i))
+            for j in range(self.nics_per_node):
+                _quiet("ip", "link", "del", self._host_veth(i, j))
             _quiet("ip", "netns", "del", ns)
         _quiet("ip", "link", "del", self._bridge)
         if self._active:
@@ -251,7 +301,8 @@ class EmulatedCluster:
 
     def __repr__(self) -> str:
         return (f"EmulatedCluster(num_nodes={self._num_nodes}, rate_mbit={self.rate_mbit}, "
-                f"delay_ms={self.delay_ms}, tag={self._tag!r})")
+                f"delay_ms={self.delay_ms}, nics_per_node={self.nics_per_node}, "
+                f"tag={self._tag!r})")
 
 
 def enter_namespace(name: str) -> None:
@@ -264,3 +315,18 @@ def enter_namespace(name: str) -> None:
         if libc.setns(f.fileno(), clone_newnet) != 0:
             err = ctypes.get_errno()
             raise NetnsUnavailableError(f"setns into {name} failed: {os.strerror(err)}")
+
+
+def use_card(j: int) -> None:
+    """Make the calling process, already inside a node of an :class:`EmulatedCluster`
+    with several cards, send and receive through card ``j``: gloo listens on its
+    address and every socket the process makes is routed out of it. Sets
+    ``GLOO_SOCKET_IFNAME`` and the filesystem uid (files are then read and written as
+    that unprivileged uid: call it after the process has what it needs from disk)."""
+    import ctypes
+
+    os.environ["GLOO_SOCKET_IFNAME"] = f"eth{j}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.setfsuid(CARD_UID_BASE + j)
+    if libc.setfsuid(-1) != CARD_UID_BASE + j:  # -1 changes nothing and returns the current
+        raise NetnsUnavailableError(f"setfsuid({CARD_UID_BASE + j}) failed")

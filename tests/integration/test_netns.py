@@ -101,3 +101,51 @@ def test_cleanup_on_exception() -> None:
         raise KeyError("boom")
     assert name not in _ip_netns_list()
     cluster.close()  # idempotent
+
+
+CARD_BYTES = 4 << 20
+
+
+def _cross_cards(rank: int, world: int) -> bool:
+    """Ranks 0, 1 on node 0 (cards 0, 1), ranks 2, 3 on node 1 (cards 0, 1); rank 0
+    sends to rank 3 and rank 1 to rank 2, so each flow goes from one card to the other
+    card's number on the far node."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((CARD_BYTES // 4,), float(rank))
+    if rank < 2:
+        dist.send(t, 3 - rank)
+        return True
+    dist.recv(t, 3 - rank)
+    return bool((t == 3 - rank).all())
+
+
+def _card_bytes(cluster: EmulatedCluster, node: int, card: int) -> tuple[int, int]:
+    out = subprocess.run(["ip", "-n", cluster.ns_name(node), "-s", "-j", "link", "show",
+                          "dev", cluster.nic_name(card)], capture_output=True, text=True,
+                         check=True).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+
+def test_each_rank_sends_and_receives_through_its_own_card() -> None:
+    _require_netns()
+    from functools import partial
+
+    from reshard.bench import _enter
+    from reshard.launch import run_processes
+
+    with EmulatedCluster(2, rate_mbit=2000, nics_per_node=2) as cluster:
+        names = {r: cluster.ns_name(r // 2) for r in range(4)}
+        cards = {r: r % 2 for r in range(4)}
+        ok = run_processes(_cross_cards, 4, setup=partial(_enter, names, cards),
+                           master_addr=cluster.node_addr(0), timeout=60,
+                           env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
+        assert all(ok)
+        sent = [_card_bytes(cluster, 0, c)[0] for c in range(2)]
+        got = [_card_bytes(cluster, 1, c)[1] for c in range(2)]
+    print(f"\nnode 0 cards sent {sent} B, node 1 cards received {got} B")
+    # each card carried its own rank's flow, and only that one
+    for n in sent + got:
+        assert CARD_BYTES <= n < 1.5 * CARD_BYTES, (sent, got)
