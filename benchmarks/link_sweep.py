@@ -82,20 +82,21 @@ def _plot(rows: list[dict], a: argparse.Namespace) -> None:
 
     net = [r for r in rows if "link_mbit" in r]
     x = [r["link_mbit"] for r in net]
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     ax.plot(x, [r["vs_gather_broadcast"] for r in net], "o-", label="vs gather_broadcast")
     ax.plot(x, [r["vs_p2p"] for r in net], "s-", label="vs p2p")
     ax.axhline(rows[0]["vs_gather_broadcast"], ls="--", color="gray",
                label="vs gather_broadcast, one node")
     ax.set_xscale("log")
+    ax.set_xticks(x, [f"{r:g}" for r in x])
+    ax.minorticks_off()
     ax.set_ylim(0, 1.15 * max(r["vs_gather_broadcast"] for r in rows))
     ax.set_xlabel("link rate per " + ("rank's card" if getattr(a, "nic_per_rank", False)
                                       else "node") + " (Mbit/s)")
     ax.set_ylabel("reshard speed-up (x)")
     cards = ", a card per rank" if getattr(a, "nic_per_rank", False) else ""
     ax.set_title(f"{a.src} -> {a.dst}, {a.model_bytes}, {a.nodes} emulated nodes{cards}")
-    ax.legend(loc="lower left")
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small")
     fig.savefig(a.plot, dpi=120)
     print(f"wrote {a.plot}")
 
