@@ -159,8 +159,10 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
         return _summarise(per_rank, cfg)
     from functools import partial
 
-    from .netns import EmulatedCluster
+    from .netns import EmulatedCluster, NetnsUnavailableError, cards_unavailable_reason
 
+    if cfg.nic_per_rank and (reason := cards_unavailable_reason()):
+        raise NetnsUnavailableError(reason)
     nodes = node_of_rank(cfg)
     cards = card_of_rank(nodes) if cfg.nic_per_rank else None
     with EmulatedCluster(cfg.nodes, rate_mbit=cfg.link_mbit,

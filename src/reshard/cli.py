@@ -60,9 +60,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("reshard: error: --nic-per-rank needs --nodes K", file=sys.stderr)
         return 2
     if cfg.nodes:
-        from .netns import netns_unavailable_reason
+        from .netns import cards_unavailable_reason, netns_unavailable_reason
 
         reason = netns_unavailable_reason()
+        if reason is None and cfg.nic_per_rank:
+            reason = cards_unavailable_reason()
         if reason:
             print(f"reshard: error: --nodes needs emulated nodes, which are unavailable "
                   f"here: {reason}", file=sys.stderr)

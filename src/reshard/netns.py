@@ -36,8 +36,8 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
-    "EmulatedCluster", "NetnsUnavailableError", "enter_namespace", "netns_unavailable_reason",
-    "use_card",
+    "EmulatedCluster", "NetnsUnavailableError", "cards_unavailable_reason", "enter_namespace",
+    "netns_unavailable_reason", "use_card",
 ]
 
 CARD_UID_BASE = 61000
@@ -325,8 +325,37 @@ def use_card(j: int) -> None:
     that unprivileged uid: call it after the process has what it needs from disk)."""
     import ctypes
 
+    _check_world_readable()
     os.environ["GLOO_SOCKET_IFNAME"] = f"eth{j}"
     libc = ctypes.CDLL(None, use_errno=True)
     libc.setfsuid(CARD_UID_BASE + j)
     if libc.setfsuid(-1) != CARD_UID_BASE + j:  # -1 changes nothing and returns the current
         raise NetnsUnavailableError(f"setfsuid({CARD_UID_BASE + j}) failed")
+
+
+def cards_unavailable_reason() -> str | None:
+    """``None`` if processes can run on their own card (:func:`use_card`), else why not."""
+    try:
+        _check_world_readable()
+    except NetnsUnavailableError as e:
+        return str(e)
+    return None
+
+
+def _check_world_readable() -> None:
+    """The process keeps importing after :func:`use_card` (torch loads modules lazily),
+    now as an unprivileged uid: the Python environment and this package must be
+    readable by other users."""
+    import stat
+    import sys
+    from pathlib import Path
+
+    for top in {Path(sys.prefix), Path(__file__).resolve().parent}:
+        for d in [top, *top.parents]:
+            mode = d.stat().st_mode
+            need = stat.S_IXOTH | (stat.S_IROTH if d == top else 0)
+            if mode & need != need:
+                raise NetnsUnavailableError(
+                    f"a card per rank runs each rank with an unprivileged filesystem uid, "
+                    f"which cannot read {top}: {d} has mode {stat.filemode(mode)} (let "
+                    f"other users read it, e.g. chmod o+rx, or use one link per node)")

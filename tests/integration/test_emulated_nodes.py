@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from reshard.bench import BenchConfig, run_bench
-from reshard.netns import netns_unavailable_reason
+from reshard.netns import cards_unavailable_reason, netns_unavailable_reason
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +37,10 @@ def test_two_nodes_a_card_per_rank(netns):
     """Every rank has its own network card (as every GPU has its own NIC): reshard
     splits the node's network receive over the four cards, while gather-and-broadcast's
     root pushes the full state to three of its receivers through its one card."""
+    reason = cards_unavailable_reason()
+    if reason:
+        print(f"SKIP a card per rank: {reason}")
+        pytest.skip(f"a card per rank unavailable: {reason}")
     cfg = BenchConfig(src="tp4", dst="tp2,dp2", model_bytes=24 << 20, repeats=1,
                       methods=("reshard", "p2p", "gather_broadcast"), nodes=2, link_mbit=400,
                       budget_bytes=16 << 20, nic_per_rank=True)
