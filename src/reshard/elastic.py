@@ -86,9 +86,9 @@ class _EpochSide(_Side):
                          refit_timeout=refit_timeout, checksum=checksum)
 
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
-        _, budget_bytes, progress = self._options
-        ex = Executor(meeting.plan, self.comm, method=self.method, budget_bytes=budget_bytes,
-                      checksum=self.checksum)
+        progress = self._options[2]  # the budget is the one every rank agreed on
+        ex = Executor(meeting.plan, self.comm, method=self.method,
+                      budget_bytes=self.budget_bytes, checksum=self.checksum)
         if ex._runner is not None and progress:
             ex._runner.progress = progress if callable(progress) else _print_progress
         return [ex]

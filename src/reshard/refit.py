@@ -99,8 +99,9 @@ class _Side:
         problem = _policy_problem(meeting.plan, policy)
         if problem is None and kind and policy and "gather_broadcast" in set(policy.values()):
             problem = "checksum does not cover the gather_broadcast policy"
+        method = getattr(self, "method", None)  # one method for all (reshard.elastic)
         mine = (meeting.side, sorted((policy or {}).items()), budget_bytes, kind, problem,
-                self.version)
+                self.version, method)
         views = self.comm.all_gather_object(mine)
         bad = [(r, v[4]) for r, v in enumerate(views) if v[4]]
         if bad:
@@ -108,6 +109,9 @@ class _Side:
         if len({v[3] for v in views}) > 1:
             raise ReshardError("the ranks disagree on the checksum option: "
                                f"{[v[3] for v in views]}; nothing was moved")
+        if len({v[6] for v in views}) > 1:
+            raise ReshardError("the ranks disagree on the method: "
+                               f"{[v[6] for v in views]}; nothing was moved")
         policies = {tuple(v[1]) for v in views if v[0] == "trainer"}
         if len(policies) > 1:
             raise ReshardError("the trainer ranks give different policies "

@@ -35,7 +35,8 @@ from reshard.synthetic import fill_local, matches
 TRAINER = 2
 TIMEOUT = timedelta(seconds=90)
 REFIT_TIMEOUT = timedelta(seconds=30)
-BUDGET = 4096  # several rounds per refit (the same on every rank: it shapes the schedule)
+BUDGET = 4096  # several rounds per refit
+REPLICA_BUDGET = 1 << 20  # the replicas ask for more: each epoch's group agrees on 4096
 
 
 def trainer_layouts() -> dict[str, R.Layout]:
@@ -101,7 +102,7 @@ def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
     try:
         receiver = ElasticReceiver(targets, layouts, host="127.0.0.1", port=port,
                                    replica_id=rid, rank=rank, tp_size=tp, timeout=TIMEOUT,
-                                   refit_timeout=REFIT_TIMEOUT, budget_bytes=BUDGET,
+                                   refit_timeout=REFIT_TIMEOUT, budget_bytes=REPLICA_BUDGET,
                                    progress=progress if die_at > 0 else False)
     except R.ReshardError as e:
         log.append({"error": type(e).__name__, "message": str(e)[:300]})

@@ -120,3 +120,49 @@ def test_detect_refuses_bad_or_differing_settings_on_every_rank(envs, pattern):
     for ok, err in out:
         assert not ok and isinstance(err, R.LayoutError), err
         assert re.search(pattern, str(err)), str(err)
+
+
+def _side(comm, *, method=None, budget=1 << 20, policy=None):
+    """A refit side on thread ranks: rank 0 the trainer, the others receivers."""
+    from datetime import timedelta
+
+    from reshard.refit import RefitReceiver, RefitSender, _Side
+    from reshard.rendezvous import Meeting
+
+    rank = comm.rank
+    meeting = Meeting(comm, PLAN, rank, "trainer" if rank < 2 else "inference",
+                      0 if rank < 2 else 2)
+    side = (RefitSender if rank < 2 else RefitReceiver).__new__(
+        RefitSender if rank < 2 else RefitReceiver)
+    if method is not None:
+        side.method = method  # as reshard.elastic's sides carry one
+    _Side.__init__(side, meeting, policy=policy if rank < 2 else None, budget_bytes=budget,
+                   progress=False, refit_timeout=timedelta(seconds=10))
+    return side
+
+
+def test_refit_sides_agree_on_the_smallest_budget_and_the_trainers_policy():
+    policy = {"w1": "p2p"}
+    out = run_ranks(4, lambda c: _side(c, budget=(1 << 20) if c.rank else 4096,
+                                       policy=policy))
+    assert all(ok for ok, _ in out), out
+    for _, side in out:
+        assert side.budget_bytes == 4096 and side.policy == policy
+        assert sorted(ex.method for ex in side.executors) == ["p2p", "reshard"]
+
+
+@pytest.mark.parametrize("opts, pattern", [
+    (lambda r: dict(method="p2p" if r == 3 else "reshard"),
+     r"disagree on the method: \['reshard', 'reshard', 'reshard', 'p2p'\]"),
+    (lambda r: dict(policy={"w1": "p2p"} if r == 0 else {"w1": "reshard"}),
+     r"the trainer ranks give different policies"),
+    (lambda r: dict(policy={"nope": "p2p"}), r"rank 0: the policy names parameters that are "
+                                             r"not in the plan: \['nope'\]"),
+    (lambda r: dict(policy={"w1": "carrier-pigeon"}), r"unknown methods \['carrier-pigeon'\]"),
+])
+def test_refit_sides_refuse_what_they_cannot_agree_on(opts, pattern):
+    out = run_ranks(4, lambda c: _side(c, **opts(c.rank)))
+    for ok, err in out:
+        assert not ok and isinstance(err, R.ReshardError), err
+        assert re.search(pattern, str(err)), str(err)
+        assert str(err).endswith("nothing was moved")
