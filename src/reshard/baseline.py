@@ -81,11 +81,12 @@ class GatherBroadcast:
             if self.rank not in bcast_ranks and self.rank not in ranks:
                 continue
             full = None
+            packed = self._packed(bi, bucket, device) if bcast is not None else None
             if self.rank in ranks:
-                into = self._packed(bi, bucket, device) if bcast is not None else None
-                full = self._gather(bi, bucket, src, gather, root, slots, device, stats, into)
+                full = self._gather(bi, bucket, src, gather, root, slots, device, stats,
+                                    packed)
             if bcast is not None:
-                full = self._broadcast(bi, bucket, full, bcast, bcast_ranks.index(root), device,
+                full = self._broadcast(bi, packed, full, bcast, bcast_ranks.index(root),
                                        stats)
             if self.rank in bucket[0].dst.rank_set:
                 self._keep(bucket, full, dst)
@@ -151,8 +152,9 @@ class GatherBroadcast:
             result[s] = tensors
         return result
 
-    def _broadcast(self, bi: int, bucket, full, bcast: Comm, root: int, device, stats):
-        out = self._packed(bi, bucket, device)
+    def _broadcast(self, bi: int, out: list[torch.Tensor], full, bcast: Comm, root: int,
+                   stats):
+        """Broadcast the packed bucket (``out``: its tensors as views of the buffer)."""
         buf = self._buffers[(bi, "bcast")]
         if full is not None and bcast.rank == root:
             for packed, f in zip(out, full):

@@ -202,10 +202,10 @@ def card_of_rank(nodes: dict[int, int]) -> dict[int, int]:
 
 
 def _enter(names: dict[int, str], cards: dict[int, int] | None, rank: int) -> None:
-    from .netns import enter_namespace, use_card
+    from .netns import EmulatedCluster, enter_namespace, use_card
 
     enter_namespace(names[rank])
     if cards is None:
-        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the node's one link
+        os.environ["GLOO_SOCKET_IFNAME"] = EmulatedCluster.iface  # the node's one link
     else:
         use_card(cards[rank])

@@ -43,11 +43,21 @@ class Comm:
                    backend: str = "gloo", is_server: bool | None = None,
                    timeout: timedelta = timedelta(minutes=5), device: Any = None) -> Comm:
         """Join a stateless group of ``world_size`` ranks meeting at ``host:port``."""
-        store = dist.TCPStore(host, port, world_size,
-                              is_master=rank == 0 if is_server is None else is_server,
-                              timeout=timeout, wait_for_workers=False)
+        store = cls.open_store(host, port, rank, world_size, timeout=timeout,
+                               is_server=is_server)
         return cls(_new_pg(store, rank, world_size, backend, timeout, device),
                    registered=False, store=store, backend=backend, timeout=timeout)
+
+    @staticmethod
+    def open_store(host: str, port: int, rank: int, world_size: int, *,
+                   timeout: timedelta = timedelta(minutes=5),
+                   is_server: bool | None = None) -> Any:
+        """The TCP store a stateless group meets at (rank 0 hosts it by default), for a
+        caller that talks through it before forming the group
+        (:meth:`from_existing_store`)."""
+        return dist.TCPStore(host, port, world_size,
+                             is_master=rank == 0 if is_server is None else is_server,
+                             timeout=timeout, wait_for_workers=False)
 
     @classmethod
     def from_existing_store(cls, store: Any, rank: int, world_size: int, *,

@@ -172,7 +172,7 @@ class EmulatedCluster:
         """Interface name of card ``j`` inside every node (for ``GLOO_SOCKET_IFNAME``)."""
         if not 0 <= j < self.nics_per_node:
             raise IndexError(f"card {j} out of range [0, {self.nics_per_node})")
-        return f"eth{j}"
+        return card_iface(j)
 
     def nic_addr(self, i: int, j: int) -> str:
         """IPv4 address of card ``j`` of node ``i``."""
@@ -317,6 +317,12 @@ def enter_namespace(name: str) -> None:
             raise NetnsUnavailableError(f"setns into {name} failed: {os.strerror(err)}")
 
 
+def card_iface(j: int) -> str:
+    """The interface name of card ``j`` inside every emulated node (card 0 is
+    :attr:`EmulatedCluster.iface`, a node's one link by default)."""
+    return f"eth{j}"
+
+
 def use_card(j: int) -> None:
     """Make the calling process, already inside a node of an :class:`EmulatedCluster`
     with several cards, send and receive through card ``j``: gloo listens on its
@@ -326,7 +332,7 @@ def use_card(j: int) -> None:
     import ctypes
 
     _check_world_readable()
-    os.environ["GLOO_SOCKET_IFNAME"] = f"eth{j}"
+    os.environ["GLOO_SOCKET_IFNAME"] = card_iface(j)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.setfsuid(CARD_UID_BASE + j)
     if libc.setfsuid(-1) != CARD_UID_BASE + j:  # -1 changes nothing and returns the current

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,8 +67,22 @@ def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     return tensors, layouts
 
 
+class _SetupView(NamedTuple):
+    """What one rank says at a meeting's set-up collective (see :meth:`_Side._setup`)."""
+
+    side: str
+    policy: tuple[tuple[str, str], ...]
+    budget_bytes: int
+    checksum: str | None
+    method: str | None
+    problem: str | None
+    version: int
+
+
 class _Side:
     """What sender and receiver share: the meeting, the plan(s), executors, commit."""
+
+    method: str | None = None  # one method for every tensor (reshard.elastic); else a policy
 
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
@@ -99,27 +113,25 @@ class _Side:
         problem = _policy_problem(meeting.plan, policy)
         if problem is None and kind and policy and "gather_broadcast" in set(policy.values()):
             problem = "checksum does not cover the gather_broadcast policy"
-        method = getattr(self, "method", None)  # one method for all (reshard.elastic)
-        mine = (meeting.side, sorted((policy or {}).items()), budget_bytes, kind, problem,
-                self.version, method)
-        views = self.comm.all_gather_object(mine)
-        bad = [(r, v[4]) for r, v in enumerate(views) if v[4]]
+        views: list[_SetupView] = self.comm.all_gather_object(_SetupView(
+            meeting.side, tuple(sorted((policy or {}).items())), budget_bytes, kind,
+            self.method, problem, self.version))
+        bad = [(r, v.problem) for r, v in enumerate(views) if v.problem]
         if bad:
             raise ReshardError(f"rank {bad[0][0]}: {bad[0][1]}; nothing was moved")
-        if len({v[3] for v in views}) > 1:
-            raise ReshardError("the ranks disagree on the checksum option: "
-                               f"{[v[3] for v in views]}; nothing was moved")
-        if len({v[6] for v in views}) > 1:
-            raise ReshardError("the ranks disagree on the method: "
-                               f"{[v[6] for v in views]}; nothing was moved")
-        policies = {tuple(v[1]) for v in views if v[0] == "trainer"}
+        for field_, what in (("checksum", "the checksum option"), ("method", "the method")):
+            values = [getattr(v, field_) for v in views]
+            if len(set(values)) > 1:
+                raise ReshardError(f"the ranks disagree on {what}: {values}; nothing was "
+                                   "moved")
+        policies = {v.policy for v in views if v.side == "trainer"}
         if len(policies) > 1:
             raise ReshardError("the trainer ranks give different policies "
                                f"({[dict(p) for p in sorted(policies)]}); nothing was moved")
         self.policy = dict(policies.pop()) if policies else {}
-        self.budget_bytes = min(v[2] for v in views)
+        self.budget_bytes = min(v.budget_bytes for v in views)
         self.executors = self._build_executors(meeting)
-        self._reconciled(max(v[5] for v in views))
+        self._reconciled(max(v.version for v in views))
         self.pending = None
 
     def _build_executors(self, meeting: Meeting) -> list[Executor]:

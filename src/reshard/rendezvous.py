@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from .comm import Comm
 from .errors import FingerprintMismatchError, PlanError
 from .layout import Layout
@@ -56,8 +54,7 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     offset = 0 if side == "trainer" else trainer_size
     rank = side_rank + offset
     world = trainer_size + inference_size
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    store = Comm.open_store(host, port, rank, world, timeout=timeout)
     _agree_on_sizes(store, side, side_rank, (trainer_size, inference_size, backend), timeout)
     comm = Comm.from_existing_store(store, rank, world, backend=backend, timeout=timeout)
     mine = {name: lay.shifted(offset) for name, lay in layouts.items()}
