@@ -91,10 +91,10 @@ def _plot(rows: list[dict], a: argparse.Namespace) -> None:
     ax.set_xticks(x, [f"{r:g}" for r in x])
     ax.minorticks_off()
     ax.set_ylim(0, 1.15 * max(r["vs_gather_broadcast"] for r in rows))
-    ax.set_xlabel("link rate per " + ("rank's card" if getattr(a, "nic_per_rank", False)
+    ax.set_xlabel("link rate per " + ("rank's card" if a.nic_per_rank
                                       else "node") + " (Mbit/s)")
     ax.set_ylabel("reshard speed-up (x)")
-    cards = ", a card per rank" if getattr(a, "nic_per_rank", False) else ""
+    cards = ", a card per rank" if a.nic_per_rank else ""
     ax.set_title(f"{a.src} -> {a.dst}, {a.model_bytes}, {a.nodes} emulated nodes{cards}")
     fig.legend(loc="outside lower center", ncols=2, fontsize="small")
     fig.savefig(a.plot, dpi=120)
