@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m reshard.demo
+	$(VPY) -m reshard.tools.demo
 
 test: $(STAMP)
 	$(VPY) -m ruff check src tests benchmarks

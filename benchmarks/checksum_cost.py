@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reshard.integrity import digest  # noqa: E402
-from reshard.launch import free_port, run_processes  # noqa: E402
+from reshard._transport.integrity import digest  # noqa: E402
 from reshard.refit import RefitReceiver, RefitSender  # noqa: E402
+from reshard.tools.launch import free_port, run_processes  # noqa: E402
 from soak import crc, model  # noqa: E402
 
 MODES = (None, "sum", "crc32")

@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from reshard.bench import BenchConfig, _floor_runner, build_plan
-from reshard.cli import parse_bytes
 from reshard.executor import Executor
-from reshard.launch import run_processes
-from reshard.synthetic import fill_local, matches
+from reshard.tools.bench import BenchConfig, build_plan, floor_runner
+from reshard.tools.cli import parse_bytes
+from reshard.tools.launch import run_processes
+from reshard.tools.synthetic import fill_local, matches
 
 
 def _cpu() -> float:
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, repeats: int) -> dict:
     ex = Executor(plan, comm, method="reshard", budget_bytes=cfg.budget_bytes)
     ex.run(src, dst)
     ok = all(matches(t.dst, rank, dst[t.name]) for t in plan.tensors if t.name in dst)
-    runs = {"floor": _floor_runner(plan, comm),
+    runs = {"floor": floor_runner(plan, comm),
             "reshard": lambda: ex.run(src, dst, check=False)}
     out: dict = {"ok": ok, **{f"{n}_{k}": [] for n in runs for k in ("wall", "cpu")}}
     for fn in runs.values():

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from reshard.bench import BenchConfig, run_bench
-from reshard.cli import parse_bytes
+from reshard.tools.bench import BenchConfig, run_bench
+from reshard.tools.cli import parse_bytes
 
 
 def _row(label: str, out: dict) -> dict:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 
 import reshard as R
-from reshard.models import ModelSpec, preset
 from reshard.placement import chunk_bounds
+from reshard.sim.models import ModelSpec, preset
 
 PP, EP, TP = 16, 8, 2  # trainer: 16 stages of (ep/dp=8) x (tp=2) = 256 ranks
 INF_TP, INF_DP, INF_FIRST = 8, 16, 256  # inference: ranks 256..383

@@ -17,10 +17,10 @@ import json
 import sys
 import time
 
-from reshard.costmodel import simulate
-from reshard.models import preset
-from reshard.plan import plan as make_plan
-from reshard.specs import ParallelSpec, model_layouts
+from reshard import planner
+from reshard.sim.costmodel import simulate
+from reshard.sim.models import preset
+from reshard.sim.specs import ParallelSpec, model_layouts
 
 SRC, DST = "pp16,ep16", "tp8,dp16"
 
@@ -40,7 +40,7 @@ def run(cluster: str, repeat: int) -> dict:
         model_layouts(model.tensors, DST, first_rank=src_spec.world_size)))
     runs = []
     for _ in range(repeat + 1):  # run 0 is the cold one
-        t_plan, p = timed(lambda: make_plan(src, dst))
+        t_plan, p = timed(lambda: planner.plan(src, dst))
         t_sim, sim = timed(lambda p=p: simulate(p, cluster))
         runs.append({"plan_s": t_plan, "simulate_s": t_sim,
                      "total_s": {k: t_plan[k] + t_sim[k] for k in t_plan}})

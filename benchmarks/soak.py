@@ -27,8 +27,8 @@ from datetime import timedelta
 import torch
 
 import reshard as R
-from reshard.launch import free_port, run_processes
 from reshard.refit import RefitReceiver, RefitSender
+from reshard.tools.launch import free_port, run_processes
 
 
 def resources() -> dict[str, float]:

@@ -26,9 +26,9 @@ import time
 from functools import partial
 
 import reshard as R
-from reshard.bench import BenchConfig, build_plan, node_of_rank, run_bench
-from reshard.cluster import RankMap, emulated
-from reshard.costmodel import simulate
+from reshard.sim.cluster import RankMap, emulated
+from reshard.sim.costmodel import simulate
+from reshard.tools.bench import BenchConfig, build_plan, node_of_rank, run_bench
 
 LINK_MBIT = 500.0
 MODEL_BYTES = 64 << 20
@@ -100,15 +100,15 @@ def _ping_pong(rank: int, peer: int, reps: int = 100) -> float | None:
 
 
 def _enter(names: dict[int, str], rank: int) -> None:
-    from reshard.netns import enter_namespace
+    from reshard.tools.netns import enter_namespace
 
     enter_namespace(names[rank])
 
 
 def measure_links(nbytes: int = 32 << 20, repeats: int = 3) -> dict[str, float]:
     """Bandwidths (GB/s) and latency (s) of the emulated cluster, from bare gloo sends."""
-    from reshard.launch import run_processes
-    from reshard.netns import EmulatedCluster
+    from reshard.tools.launch import run_processes
+    from reshard.tools.netns import EmulatedCluster
 
     with EmulatedCluster(2, rate_mbit=LINK_MBIT) as cluster:
         names = {r: cluster.ns_name(n) for r, n in PROBE_NODES.items()}
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="timed refits per method")
     args = ap.parse_args(argv)
-    from reshard.netns import netns_unavailable_reason
+    from reshard.tools.netns import netns_unavailable_reason
 
     reason = netns_unavailable_reason()
     if reason:

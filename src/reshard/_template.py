@@ -14,7 +14,7 @@ from math import prod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .layout import Layout
+    from reshard.layout import Layout
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, size)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from math import prod
 from typing import TYPE_CHECKING
 
-from .errors import LayoutError
+from reshard.errors import LayoutError
 
 if TYPE_CHECKING:
-    from .layout import Layout, Piece
+    from reshard.layout import Layout, Piece
 
 
 def _overlaps(a_off, a_size, b_off, b_size) -> bool:

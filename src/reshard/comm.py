@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reshard.errors import ConfigError
+
 __all__ = ["Comm", "backend_device_types"]
 
 
@@ -65,7 +67,7 @@ class Comm:
                             device: Any = None, name: str = "reshard") -> Comm:
         """A stateless group over a store that already exists (for example a
         ``PrefixStore`` over a long-lived ``TCPStore``: one fresh group per membership
-        epoch, see :mod:`reshard.elastic`)."""
+        epoch, see :mod:`reshard.refit.elastic`)."""
         return cls(_new_pg(store, rank, world_size, backend, timeout, device),
                    registered=False, store=store, backend=backend, timeout=timeout, name=name)
 
@@ -232,4 +234,4 @@ def _new_pg(store: Any, rank: int, size: int, backend: str, timeout: timedelta,
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return ProcessGroupNCCL(store, rank, size, opts)
-    raise ValueError(f"unsupported backend {backend!r}; expected 'gloo' or 'nccl'")
+    raise ConfigError(f"unsupported backend {backend!r}; expected 'gloo' or 'nccl'")

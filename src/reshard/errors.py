@@ -30,3 +30,15 @@ class FingerprintMismatchError(ReshardError, RuntimeError):
 
 class TransferError(ReshardError, RuntimeError):
     """A transfer failed while running (peer lost, timeout, corrupted data)."""
+
+
+class ConfigError(ReshardError, ValueError):
+    """An option has a value the library does not accept (method, budget, staging...)."""
+
+
+class MappingError(ReshardError, ValueError):
+    """A Hugging Face tensor has no rule, or vLLM's shapes disagree with the config."""
+
+
+class ClusterError(ReshardError, ValueError):
+    """A cluster description is malformed or unknown."""

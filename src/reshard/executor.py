@@ -10,21 +10,19 @@ and no byte moves. Then each rank runs its part of the schedule.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .comm import Comm, backend_device_types
-from .errors import FingerprintMismatchError, TensorMismatchError
-from .plan import Plan
-from .schedule import Schedule, flat_schedule
-from .transport import RankRunner, RunStats
+from reshard._transport.runner import RankRunner, RunStats
+from reshard.comm import Comm, backend_device_types
+from reshard.defaults import CHECKSUMS, DEFAULT_BUDGET_BYTES, METHODS
+from reshard.errors import ConfigError, FingerprintMismatchError, TensorMismatchError
+from reshard.planner import Plan
+from reshard.schedule import Schedule, flat_schedule
 
-__all__ = ["DEFAULT_BUDGET_BYTES", "METHODS", "Executor", "execute"]
-
-DEFAULT_BUDGET_BYTES = 256 << 20
-METHODS = ("reshard", "p2p", "gather_broadcast")
+__all__ = ["Executor", "RunStats", "checksum_kind", "execute", "local_problem"]
 
 
 class Executor:
@@ -41,9 +39,9 @@ class Executor:
         ``"crc32"``) sends a digest of every message after it and raises
         :class:`reshard.TransferError` on a receiving rank whose data arrived corrupt."""
         if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+            raise ConfigError(f"unknown method {method!r}; expected one of {METHODS}")
         if budget_bytes < 1024:
-            raise ValueError(f"budget_bytes must be at least 1024, got {budget_bytes}")
+            raise ConfigError(f"budget_bytes must be at least 1024, got {budget_bytes}")
         self.plan, self.method, self.budget_bytes = plan, method, budget_bytes
         self.comm = comm if comm is not None else Comm.from_group()
         self.rank = self.comm.rank
@@ -52,14 +50,14 @@ class Executor:
         self.schedule = self._build(topology)
         self._runner = None if method == "gather_broadcast" else RankRunner(
             self.schedule, self.comm, dtypes=self.dtypes)
-        self.checksum = _checksum_kind(checksum)
+        self.checksum = checksum_kind(checksum)
         if self.checksum is not None:
             if self._runner is None:
-                raise ValueError("checksum is not supported by the gather_broadcast method")
+                raise ConfigError("checksum is not supported by the gather_broadcast method")
             self._runner.checksum = self.checksum
         self._baseline = None
         if method == "gather_broadcast":
-            from .baseline import GatherBroadcast
+            from reshard._transport.baseline import GatherBroadcast
 
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
@@ -81,21 +79,62 @@ class Executor:
         if self.method == "gather_broadcast":
             return None
         if self.method == "reshard":
-            from .topology import Topology, domain_schedule
+            from reshard.topology import Topology, domain_schedule
 
             self.topology = topology if topology is not None else Topology.detect(self.comm)
             return domain_schedule(self.plan, self.topology, self.budget_bytes)
         return flat_schedule(self.plan, self.budget_bytes)
 
-    def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
+    # -- what a caller may watch or bound per run (the point-to-point methods) ---------
+    @property
+    def progress(self) -> Callable[[int, int], None] | None:
+        """Called with (bytes sent so far, bytes this rank sends per run) as rounds end."""
+        return None if self._runner is None else self._runner.progress
+
+    @progress.setter
+    def progress(self, callback: Callable[[int, int], None] | None) -> None:
+        if self._runner is not None:
+            self._runner.progress = callback
+
+    @property
+    def deadline(self) -> float | None:
+        """A ``time.monotonic()`` by which every wait of a run ends (gloo), or None."""
+        return None if self._runner is None else self._runner.deadline
+
+    @deadline.setter
+    def deadline(self, when: float | None) -> None:
+        if self._runner is not None:
+            self._runner.deadline = when
+
+    @property
+    def broken(self) -> bool:
+        """Whether the last run failed in the transport (the group is then unusable)."""
+        return self._runner is not None and self._runner.broken
+
+    def run(self, src: Mapping[str, torch.Tensor] | torch.Tensor | None,
+            dst: Mapping[str, torch.Tensor] | torch.Tensor | None, *,
             check: bool = True) -> RunStats:
-        """Move this rank's bytes from ``src`` (name -> local tensor) into ``dst``."""
+        """Move this rank's bytes from ``src`` (name -> local tensor) into ``dst``. For a
+        single-tensor plan (``plan(layout, layout)``) both may be bare tensors, and
+        ``None`` where this rank holds no part of that side."""
+        src, dst = self._named(src), self._named(dst)
         if check:
             self.check(src, dst)
         if self._baseline is not None:
             return self._baseline.run(src, dst)
         assert self._runner is not None
         return self._runner.run(src, dst)
+
+    def _named(self, tensors: Any) -> Mapping[str, torch.Tensor]:
+        if tensors is None:
+            return {}
+        if isinstance(tensors, torch.Tensor):
+            if len(self.plan.tensors) != 1:
+                raise TensorMismatchError(
+                    f"a bare tensor fits a single-tensor plan; this plan has "
+                    f"{len(self.plan.tensors)} tensors: pass a name -> tensor mapping")
+            return {self.plan.tensors[0].name: tensors}
+        return tensors
 
     def check(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
         """Agree with every rank of the group on the plan and on the tensors, or raise."""
@@ -144,14 +183,13 @@ def _ranges(ranks) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _checksum_kind(checksum: bool | str | None) -> str | None:
-    from .transport import CHECKSUMS
-
+def checksum_kind(checksum: bool | str | None) -> str | None:
+    """``None`` (off), ``"sum"`` or ``"crc32"`` for an executor's ``checksum`` option."""
     if checksum is None or checksum is False:
         return None
     kind = "sum" if checksum is True else checksum
     if kind not in CHECKSUMS:
-        raise ValueError(f"unknown checksum {checksum!r}; expected True, False or one of "
+        raise ConfigError(f"unknown checksum {checksum!r}; expected True, False or one of "
                          f"{CHECKSUMS}")
     return kind
 

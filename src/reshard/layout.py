@@ -17,9 +17,9 @@ from itertools import product
 from math import prod
 from typing import Any
 
-from .errors import LayoutError, TensorMismatchError
-from .mesh import Mesh
-from .placement import Placement, Replicate, Shard, StridedShard, as_placement, chunk_bounds
+from reshard.errors import LayoutError, TensorMismatchError
+from reshard.mesh import Mesh
+from reshard.placement import Placement, Replicate, Shard, StridedShard, as_placement, chunk_bounds
 
 __all__ = ["Layout", "LocalView", "Piece", "box_slices", "dtype_itemsize", "dtype_name"]
 
@@ -169,7 +169,7 @@ class Layout:
         self.mesh = Mesh(ranks)
         self.placements = None
         self._explicit = tuple(_as_view(r, views[r]) for r in ranks)
-        from ._validate import check_explicit
+        from reshard._validate import check_explicit
 
         check_explicit(self)
         return self

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import TensorMismatchError
-from .layout import box_slices
-from .plan import Plan
+from reshard.errors import TensorMismatchError
+from reshard.layout import box_slices
+from reshard.planner import SINGLE_NAME, Plan
 
 __all__ = ["execute_local", "execute_schedule_local"]
 
@@ -25,8 +25,8 @@ def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
     if not isinstance(src_locals, Mapping):
         raise TensorMismatchError(f"expected a mapping rank -> source local tensor(s), got "
                                   f"{type(src_locals).__name__}")
-    single = len(plan.tensors) == 1 and plan.tensors[0].name == "tensor"
-    srcs = {r: ({"tensor": v} if single else v) for r, v in src_locals.items()}
+    single = len(plan.tensors) == 1 and plan.tensors[0].name == SINGLE_NAME
+    srcs = {r: ({SINGLE_NAME: v} if single else v) for r, v in src_locals.items()}
     out: dict[int, dict[str, Any]] = {}
     for t in plan.tensors:
         dtype = getattr(torch, t.dst.dtype)
@@ -36,7 +36,7 @@ def execute_local(plan: Plan, src_locals: Mapping[int, Any]) -> dict[int, Any]:
             src = _source(srcs, t, tr.src_rank)
             dst = out[tr.dst_rank][t.name]
             dst[box_slices(tr.dst_offset, tr.size)] = src[box_slices(tr.src_offset, tr.size)]
-    return {r: v["tensor"] for r, v in out.items()} if single else out
+    return {r: v[SINGLE_NAME] for r, v in out.items()} if single else out
 
 
 def _source(srcs: Mapping[int, Mapping[str, Any]], t, rank: int):
@@ -64,7 +64,7 @@ def execute_schedule_local(schedule, plan: Plan, src_locals: Mapping[int, Mappin
     reference for schedules with forwarding hops, which read destination tensors."""
     import torch
 
-    from .schedule import DEST
+    from reshard.schedule import DEST
 
     out: dict[int, dict[str, Any]] = {}
     for t in plan.tensors:

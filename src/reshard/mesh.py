@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from .errors import LayoutError
+from reshard.errors import LayoutError
 
 __all__ = ["Mesh"]
 

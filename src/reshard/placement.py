@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import LayoutError
+from reshard.errors import LayoutError
 
 __all__ = ["Placement", "Replicate", "Shard", "StridedShard", "as_placement", "chunk_bounds"]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from math import prod
 
-from .plan import Plan, Transfer
+from reshard.planner import Plan, Transfer
 
 __all__ = ["Hop", "Schedule", "flat_schedule", "split_hop"]
 

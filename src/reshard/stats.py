@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from reshard.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def compute_stats(plan: Plan) -> PlanStats:
     held: dict[tuple, int] = {}  # elements held over all ranks, per layout structure
     # Everything but the chosen senders depends only on the template and the two sides'
     # ranks, so tensors are counted per such group (all the experts of a layer are one).
-    for t, count in _groups(plan.tensors):
+    for t, count in tensor_groups(plan.tensors):
         tpl = t.template
         src_ranks, dst_ranks = t.src.ranks, t.dst.ranks
         sent += tpl.remote_bytes * count
@@ -87,7 +87,7 @@ def compute_stats(plan: Plan) -> PlanStats:
         gather_broadcast_wire_bytes=gb_wire, model_bytes=model)
 
 
-def _groups(tensors) -> list[tuple[Any, int]]:
+def tensor_groups(tensors) -> list[tuple[Any, int]]:
     """(representative tensor plan, count) per (template, source ranks, destination ranks).
 
     A template fixes both sides' structures (shapes, dtypes, placements), so tensors of

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import LayoutError
-from .plan import Plan
-from .schedule import DEST, Hop, RoundPacker, Schedule, is_solo, split_hop
+from reshard.errors import LayoutError
+from reshard.planner import Plan
+from reshard.schedule import DEST, Hop, RoundPacker, Schedule, is_solo, split_hop
 
 __all__ = ["Topology", "domain_schedule", "link_bytes", "inter_domain_lower_bound"]
 
@@ -147,7 +147,7 @@ def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedu
     With every rank in one domain there is no network to save: the flat schedule."""
     src, dst = plan.ranks()
     if len({topology.domain(r) for r in src | dst}) <= 1:
-        from .schedule import flat_schedule
+        from reshard.schedule import flat_schedule
 
         return replace(flat_schedule(plan, budget_bytes), method="reshard")
     loads = _Loads()

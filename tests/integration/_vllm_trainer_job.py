@@ -22,8 +22,8 @@ import torch
 
 import reshard as R
 from reshard.integrations import hf
-from reshard.launch import run_processes
 from reshard.refit import RefitSender
+from reshard.tools.launch import run_processes
 
 FAIL_NAME = "model.layers.1.self_attn.o_proj.weight"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.bench import BenchConfig, run_bench
-from reshard.netns import cards_unavailable_reason, netns_unavailable_reason
+from reshard.tools.bench import BenchConfig, run_bench
+from reshard.tools.netns import cards_unavailable_reason, netns_unavailable_reason
 
 pytestmark = pytest.mark.integration
 

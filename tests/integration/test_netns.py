@@ -1,4 +1,4 @@
-"""Emulated multi-node cluster (reshard.netns) with real torch.distributed gloo traffic."""
+"""Emulated multi-node cluster (reshard.tools.netns) with real torch.distributed gloo traffic."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.netns import EmulatedCluster, netns_unavailable_reason
+from reshard.tools.netns import EmulatedCluster, netns_unavailable_reason
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +131,7 @@ def _card_bytes(cluster: EmulatedCluster, node: int, card: int) -> tuple[int, in
 
 def test_each_rank_sends_and_receives_through_its_own_card() -> None:
     _require_netns()
-    from reshard.netns import cards_unavailable_reason
+    from reshard.tools.netns import cards_unavailable_reason
 
     reason = cards_unavailable_reason()
     if reason:
@@ -139,13 +139,13 @@ def test_each_rank_sends_and_receives_through_its_own_card() -> None:
         pytest.skip(f"a card per rank unavailable: {reason}")
     from functools import partial
 
-    from reshard.bench import _enter
-    from reshard.launch import run_processes
+    from reshard.tools.bench import enter_rank_namespace
+    from reshard.tools.launch import run_processes
 
     with EmulatedCluster(2, rate_mbit=2000, nics_per_node=2) as cluster:
         names = {r: cluster.ns_name(r // 2) for r in range(4)}
         cards = {r: r % 2 for r in range(4)}
-        ok = run_processes(_cross_cards, 4, setup=partial(_enter, names, cards),
+        ok = run_processes(_cross_cards, 4, setup=partial(enter_rank_namespace, names, cards),
                            master_addr=cluster.node_addr(0), timeout=60,
                            env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
         assert all(ok)

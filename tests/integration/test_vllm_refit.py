@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
-from reshard.launch import free_port  # noqa: E402
+from reshard.tools.launch import free_port  # noqa: E402
 
 JOB = Path(__file__).with_name("_vllm_trainer_job.py")
 EXT = "reshard.integrations.vllm.ReshardWorkerExtension"

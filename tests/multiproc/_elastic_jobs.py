@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 import reshard as R
-from reshard.elastic import ElasticReceiver, ElasticSender
-from reshard.launch import run_processes
-from reshard.synthetic import fill_local, matches
+from reshard.refit.elastic import ElasticReceiver, ElasticSender
+from reshard.tools.launch import run_processes
+from reshard.tools.synthetic import fill_local, matches
 
 TRAINER = 2
 TIMEOUT = timedelta(seconds=90)

@@ -6,7 +6,7 @@
 Trainer ranks form their own gloo world (their "training": each step rewrites the
 parameters to the synthetic values of that step and all-reduces a gradient stand-in)
 and refit the inference ranks through :class:`reshard.refit.RefitSender`, one version
-per step. Inference ranks check every refit bit for bit (``reshard.synthetic``). The
+per step. Inference ranks check every refit bit for bit (``reshard.tools.synthetic``). The
 victim, on the refit of step ``STEP``, writes ``DIR/victim.json`` (its pid) from inside
 the progress callback after the first round and then sleeps: the test SIGKILLs it there,
 mid-refit. Whoever sees a ``TransferError`` records when, checks that its live weights
@@ -28,7 +28,7 @@ import torch
 
 import reshard as R
 from reshard.refit import RefitReceiver, RefitSender
-from reshard.synthetic import fill_local, matches
+from reshard.tools.synthetic import fill_local, matches
 
 TRAINER, INFERENCE = 2, 2
 REFIT_TIMEOUT = timedelta(seconds=10)

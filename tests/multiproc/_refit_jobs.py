@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import reshard as R
-from reshard.launch import free_port, run_processes  # noqa: F401 - free_port for callers
 from reshard.refit import RefitReceiver, RefitSender
+from reshard.tools.launch import free_port, run_processes  # noqa: F401 - free_port for callers
 
 VOCAB, PADDED, H, Q, KV, INTER, TP = 50, 64, 16, 16, 8, 24, 2
 STEPS = 3

@@ -2,7 +2,7 @@
 benchmarks of the refit API: ranks ``0..T-1`` run a :class:`RefitSender`, ranks
 ``T..T+I-1`` a :class:`RefitReceiver`; they meet at a TCP store like two real jobs.
 
-Parameter values are synthetic per version (``reshard.synthetic``), so every receiver
+Parameter values are synthetic per version (``reshard.tools.synthetic``), so every receiver
 checks every refit bit for bit without anyone holding a full tensor."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import reshard as R
 from reshard.refit import RefitReceiver, RefitSender
-from reshard.synthetic import fill_local, matches
+from reshard.tools.synthetic import fill_local, matches
 
 T, I = 2, 2  # noqa: E741
 

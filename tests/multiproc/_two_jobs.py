@@ -14,9 +14,9 @@ import torch
 
 import reshard as R
 from reshard.executor import Executor
-from reshard.launch import run_processes
-from reshard.rendezvous import meet
-from reshard.synthetic import fill_local, matches
+from reshard.refit.rendezvous import meet
+from reshard.tools.launch import run_processes
+from reshard.tools.synthetic import fill_local, matches
 
 TRAINER, INFERENCE = 4, 2
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from reshard.bench import BenchConfig, run_bench
-from reshard.cli import main
+from reshard.tools.bench import BenchConfig, run_bench
+from reshard.tools.cli import main
 
 pytestmark = pytest.mark.multiproc
 

@@ -9,7 +9,7 @@ import torch
 from _refit_world import T, holds, make_side, set_version  # tests/multiproc is on sys.path
 
 import reshard as R
-from reshard.launch import free_port, run_processes
+from reshard.tools.launch import free_port, run_processes
 
 pytestmark = pytest.mark.multiproc
 

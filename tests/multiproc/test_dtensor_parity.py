@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import reshard as R
-from reshard.launch import run_processes
+from reshard.tools.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 

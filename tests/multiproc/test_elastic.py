@@ -1,5 +1,5 @@
 """Elastic membership: inference replicas join and leave between refits without
-restarting the trainer (``reshard.elastic``).
+restarting the trainer (``reshard.refit.elastic``).
 
 A 2-rank trainer refits versions 1..7. Replica A (TP2, bf16) is there from the start;
 B (TP1, fp32) joins before version 2, C (TP1, fp32) before version 3 (3 replicas), B
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.launch import free_port
+from reshard.tools.launch import free_port
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("_elastic_jobs.py")

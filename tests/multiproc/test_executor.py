@@ -7,7 +7,7 @@ import torch
 
 import reshard as R
 from reshard.executor import Executor
-from reshard.launch import run_processes
+from reshard.tools.launch import run_processes
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,10 +11,10 @@ import torch
 
 import reshard as R
 from reshard.executor import Executor
-from reshard.launch import run_processes
-from reshard.models import synthetic_model
-from reshard.specs import model_layouts
-from reshard.synthetic import fill_local, matches
+from reshard.sim.models import synthetic_model
+from reshard.sim.specs import model_layouts
+from reshard.tools.launch import run_processes
+from reshard.tools.synthetic import fill_local, matches
 
 pytestmark = pytest.mark.multiproc
 WORLD = 8

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.launch import free_port
+from reshard.tools.launch import free_port
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("_lost_worker_jobs.py")

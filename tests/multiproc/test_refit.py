@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.launch import free_port
+from reshard.tools.launch import free_port
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("_refit_jobs.py")

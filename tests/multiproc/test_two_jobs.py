@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.launch import free_port
+from reshard.tools.launch import free_port
 
 pytestmark = pytest.mark.multiproc
 SCRIPT = Path(__file__).with_name("_two_jobs.py")

@@ -1,4 +1,4 @@
-"""A card per rank (reshard.netns.use_card) runs each rank with an unprivileged
+"""A card per rank (reshard.tools.netns.use_card) runs each rank with an unprivileged
 filesystem uid: refused up front, with the reason, where that uid could not read the
 Python environment."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-import reshard.netns as netns
+import reshard.tools.netns as netns
 
 
 def test_cards_need_a_world_readable_environment(tmp_path, monkeypatch):

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as R
-from reshard.cli import main
-from reshard.cluster import CLUSTERS, Cluster, ClusterError, RankMap, get_cluster
-from reshard.costmodel import simulate
-from reshard.models import preset
 from reshard.schedule import flat_schedule
-from reshard.simulate import byte_matrix, sweep
-from reshard.specs import ParallelSpec, model_layouts
+from reshard.sim.cluster import CLUSTERS, Cluster, ClusterError, RankMap, get_cluster
+from reshard.sim.costmodel import simulate
+from reshard.sim.models import preset
+from reshard.sim.simulate import byte_matrix, sweep
+from reshard.sim.specs import ParallelSpec, model_layouts
+from reshard.tools.cli import main
 from reshard.topology import domain_schedule, inter_domain_lower_bound, link_bytes
 
 from .test_plan_properties import layout_pairs

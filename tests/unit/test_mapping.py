@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import reshard as R
-import reshard.mapping
-from reshard.mapping import MappingError, hf_to_vllm, padded_vocab
-from reshard.models import model_from_config
+import reshard.integrations.vllm_mapping
+from reshard.integrations.vllm_mapping import MappingError, hf_to_vllm, padded_vocab
+from reshard.sim.models import model_from_config
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -203,7 +203,7 @@ def test_layouts_kinds() -> None:
     assert [emb.local_shape(r) for r in range(4)] == [(48, 32)] * 4
     assert [sum(p.numel for p in emb.view(r).pieces) // 32 for r in range(4)] == [48, 48, 34, 0]
     slots = m.slots(3)
-    assert slots["model.layers.0.self_attn.v_proj.bias"] == reshard.mapping.Slot(
+    assert slots["model.layers.0.self_attn.v_proj.bias"] == reshard.integrations.vllm_mapping.Slot(
         "model.layers.0.self_attn.qkv_proj.bias", rows=(16, 24))  # [q 8 | k 8 | v 8]
     assert slots["model.layers.0.mlp.up_proj.weight"].rows == (12, 24)
 
@@ -249,6 +249,6 @@ def test_model_spec_and_transformers5_config_keys() -> None:
 
 
 def test_mapping_module_imports_no_vllm_or_transformers() -> None:
-    source = Path(reshard.mapping.__file__).read_text()
+    source = Path(reshard.integrations.vllm_mapping.__file__).read_text()
     for mod in ("vllm", "transformers"):
         assert f"import {mod}" not in source and f"from {mod}" not in source

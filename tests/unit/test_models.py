@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import reshard.models
-from reshard.models import (
+import reshard.sim.models
+from reshard.sim.models import (
     PRESETS,
     PUBLISHED_PARAMS,
     ModelSpec,
@@ -33,7 +33,7 @@ def shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
 
 
 def test_models_module_is_pure_python() -> None:
-    source = Path(reshard.models.__file__).read_text()
+    source = Path(reshard.sim.models.__file__).read_text()
     assert "import torch" not in source and "from torch" not in source
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reshard import planner
 from reshard.executor import Executor
-from reshard.models import synthetic_model
-from reshard.plan import plan as make_plan
-from reshard.specs import ParallelSpec, model_layouts
-from reshard.synthetic import fill_local, matches
+from reshard.sim.models import synthetic_model
+from reshard.sim.specs import ParallelSpec, model_layouts
+from reshard.tools.synthetic import fill_local, matches
 from reshard.topology import Topology
 
 from ._inproc import run_ranks
@@ -31,7 +31,7 @@ MODEL = synthetic_model(64 << 20, hidden=1024)
 def _plan(src: str, dst: str, colocated: bool):
     s, d = ParallelSpec.parse(src), ParallelSpec.parse(dst)
     first = 0 if colocated else s.world_size
-    plan = make_plan(model_layouts(MODEL.tensors, s), model_layouts(MODEL.tensors, d,
+    plan = planner.plan(model_layouts(MODEL.tensors, s), model_layouts(MODEL.tensors, d,
                                                                    first_rank=first))
     return plan, max(s.world_size, first + d.world_size)
 

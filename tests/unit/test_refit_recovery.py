@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import reshard as R
-import reshard.refit as refit_mod
-from reshard.refit import RefitReceiver, RefitSender, _Side
-from reshard.rendezvous import Meeting
+import reshard.refit.side as refit_mod
+from reshard.refit import RefitReceiver, RefitSender
+from reshard.refit.rendezvous import Meeting
+from reshard.refit.side import Side
 
 from ._inproc import ThreadComm, World, run_ranks
 
@@ -58,7 +59,7 @@ def make(comm: ThreadComm, checksum=False):
         side.targets = {n: torch.zeros(DST[n].local_shape(rank)) for n in DST}
         side.staging = "shadow"
     side._meet_args = dict(args, layouts={})
-    _Side.__init__(side, meeting, policy=None, budget_bytes=1 << 20, progress=False,
+    Side.__init__(side, meeting, policy=None, budget_bytes=1 << 20, progress=False,
                    refit_timeout=timedelta(seconds=10), checksum=checksum)
     if rank:
         side.shadow = {n: t.clone() for n, t in side.targets.items()}

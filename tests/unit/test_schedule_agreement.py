@@ -126,8 +126,9 @@ def _side(comm, *, method=None, budget=1 << 20, policy=None):
     """A refit side on thread ranks: rank 0 the trainer, the others receivers."""
     from datetime import timedelta
 
-    from reshard.refit import RefitReceiver, RefitSender, _Side
-    from reshard.rendezvous import Meeting
+    from reshard.refit import RefitReceiver, RefitSender
+    from reshard.refit.rendezvous import Meeting
+    from reshard.refit.side import Side
 
     rank = comm.rank
     meeting = Meeting(comm, PLAN, rank, "trainer" if rank < 2 else "inference",
@@ -135,8 +136,8 @@ def _side(comm, *, method=None, budget=1 << 20, policy=None):
     side = (RefitSender if rank < 2 else RefitReceiver).__new__(
         RefitSender if rank < 2 else RefitReceiver)
     if method is not None:
-        side.method = method  # as reshard.elastic's sides carry one
-    _Side.__init__(side, meeting, policy=policy if rank < 2 else None, budget_bytes=budget,
+        side.method = method  # as reshard.refit.elastic's sides carry one
+    Side.__init__(side, meeting, policy=policy if rank < 2 else None, budget_bytes=budget,
                    progress=False, refit_timeout=timedelta(seconds=10))
     return side
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import reshard as R
 from reshard.local import execute_schedule_local
 from reshard.schedule import DEST, flat_schedule
-from reshard.specs import model_layouts
+from reshard.sim.specs import model_layouts
 from reshard.topology import Topology, domain_schedule, inter_domain_lower_bound, link_bytes
 
 from .test_plan_properties import _global, layout_pairs
@@ -56,7 +56,7 @@ def test_domain_schedule_meets_lower_bound_and_is_exact(pair, data, budget):
 
 
 def test_tp4_to_tp2_dp2_crosses_once_and_pipelines():
-    from reshard.models import synthetic_model
+    from reshard.sim.models import synthetic_model
 
     model = synthetic_model(64 << 20)
     plan = R.plan(model_layouts(model.tensors, "tp4", dtype="float32"),

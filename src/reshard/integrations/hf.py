@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout
-from ..mesh import Mesh
-from ..placement import Replicate
+from reshard.errors import ConfigError
+from reshard.layout import Layout
+from reshard.mesh import Mesh
+from reshard.placement import Replicate
 
 __all__ = [
     "build_tiny_model", "checkpoint_state_dict", "full_state_dict", "greedy_tokens",
@@ -52,7 +53,7 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
         return Qwen3MoeConfig(**{**common, **moe, **overrides})
-    raise ValueError(f"unknown tiny model kind {kind!r}; expected 'qwen3' or 'qwen3_moe'")
+    raise ConfigError(f"unknown tiny model kind {kind!r}; expected 'qwen3' or 'qwen3_moe'")
 
 
 def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,

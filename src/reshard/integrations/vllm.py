@@ -4,7 +4,7 @@ padded vocabulary included; no rank ever receives a full sharded tensor.
 
 Two ways in, one mechanism (:class:`ReshardState`):
 
-* **Worker extension** (the path the tests and ``reshard.demo_rl`` use)::
+* **Worker extension** (the path the tests and ``reshard.tools.demo_rl`` use)::
 
       llm = LLM(model=path, tensor_parallel_size=2,
                 worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
@@ -37,9 +37,10 @@ How a refit lands on one rank:
 1. At init, vLLM's per-rank *logical* (checkpoint-format) parameter shapes are read from
    the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``). On CPU the
    live linear weights are repacked after loading (the live parameters are empty), so
-   the logical form is the only sharded form there is. :func:`reshard.mapping.hf_to_vllm`
-   maps every Hugging Face tensor to a slot of a logical tensor and a layout; the rank
-   allocates one logical buffer per vLLM parameter, and the receiver's targets are views
+   the logical form is the only sharded form there is.
+   :func:`reshard.integrations.vllm_mapping.hf_to_vllm` maps every Hugging Face
+   tensor to a slot of a logical tensor and a layout; the rank allocates one logical
+   buffer per vLLM parameter, and the receiver's targets are views
    into those buffers (q/k/v rows of ``qkv_proj``, an expert's rows of ``w13``, ...).
 2. ``RefitReceiver.refit()`` writes into the buffers (through its own shadow when
    ``staging="shadow"``) and returns only once every rank of both jobs has its part.
@@ -79,9 +80,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ReshardError
-from ..executor import DEFAULT_BUDGET_BYTES
-from ..mapping import MappingError, VllmMapping, hf_to_vllm
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.errors import ReshardError
+from reshard.integrations.vllm_mapping import MappingError, VllmMapping, hf_to_vllm
 
 __all__ = [
     "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
@@ -182,7 +183,7 @@ class ReshardState:
                  staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
                  timeout_s: float = 120.0) -> None:
-        from ..refit import RefitReceiver
+        from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size != 1:
@@ -357,7 +358,7 @@ class ReshardState:
 
 
 def _load_state(path: str) -> dict[str, torch.Tensor]:
-    from .hf import checkpoint_state_dict
+    from reshard.integrations.hf import checkpoint_state_dict
 
     return checkpoint_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 

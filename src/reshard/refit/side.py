@@ -1,6 +1,8 @@
-"""The refit API for RL frameworks: a trainer-side sender and an inference-side receiver.
+"""What the refit sender and receiver share: the set-up collective, executors, commit.
 
-Both sides meet once (:func:`reshard.rendezvous.meet`), plan once, and reuse the plan
+The refit API for RL frameworks: a trainer-side sender and an inference-side receiver.
+
+Both sides meet once (:func:`reshard.refit.meet`), plan once, and reuse the plan
 for every refit. Each refit carries a weight version; the receiver's ``version`` tells a
 rollout which policy it is sampling from.
 
@@ -33,14 +35,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import ReshardError, TensorMismatchError, TransferError
-from .executor import DEFAULT_BUDGET_BYTES, METHODS, Executor, local_problem
-from .layout import Layout
-from .plan import Plan
-from .plan import plan as make_plan
-from .rendezvous import Meeting, meet
+from reshard import planner
+from reshard.defaults import METHODS
+from reshard.errors import ReshardError, TensorMismatchError, TransferError
+from reshard.executor import Executor, checksum_kind, local_problem
+from reshard.layout import Layout
+from reshard.planner import Plan
+from reshard.refit.rendezvous import Meeting, meet
 
-__all__ = ["RefitReceiver", "RefitSender", "RefitStats", "layouts_of"]
+__all__ = ["RefitStats", "Side", "layouts_of", "local_tensors", "print_progress"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict
 
 
 class _SetupView(NamedTuple):
-    """What one rank says at a meeting's set-up collective (see :meth:`_Side._setup`)."""
+    """What one rank says at a meeting's set-up collective (see :meth:`Side._setup`)."""
 
     side: str
     policy: tuple[tuple[str, str], ...]
@@ -79,10 +82,10 @@ class _SetupView(NamedTuple):
     version: int
 
 
-class _Side:
+class Side:
     """What sender and receiver share: the meeting, the plan(s), executors, commit."""
 
-    method: str | None = None  # one method for every tensor (reshard.elastic); else a policy
+    method: str | None = None  # one method for every tensor (reshard.refit.elastic); else a policy
 
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
@@ -109,7 +112,7 @@ class _Side:
         # one schedule has to respect every rank's cap) and on the checksum option (a
         # digest nobody reads would hang); they also learn the newest version any rank
         # committed (see _reconciled)
-        kind = _checksum_kind(self.checksum)
+        kind = checksum_kind(self.checksum)
         problem = _policy_problem(meeting.plan, policy)
         if problem is None and kind and policy and "gather_broadcast" in set(policy.values()):
             problem = "checksum does not cover the gather_broadcast policy"
@@ -141,8 +144,8 @@ class _Side:
         for method, sub in _split_by_policy(meeting.plan, self.policy).items():
             ex = Executor(sub, self.comm, method=method, budget_bytes=self.budget_bytes,
                           checksum=self.checksum if method != "gather_broadcast" else False)
-            if ex._runner is not None and progress:
-                ex._runner.progress = progress if callable(progress) else _print_progress
+            if progress:
+                ex.progress = progress if callable(progress) else print_progress
             executors.append(ex)
         return executors
 
@@ -188,8 +191,7 @@ class _Side:
         error: BaseException | None = None
         sent = received = rounds = 0
         for ex in self.executors:
-            if ex._runner is not None:
-                ex._runner.deadline = deadline
+            ex.deadline = deadline
             try:
                 s = ex.run(src, dst, check=False)
                 sent, received, rounds = (sent + s.bytes_sent, received + s.bytes_received,
@@ -197,7 +199,7 @@ class _Side:
             except TransferError as e:
                 error = e
                 break
-        broken = any(ex._runner is not None and ex._runner.broken for ex in self.executors)
+        broken = any(ex.broken for ex in self.executors)
         if broken:  # tell every peer now (their waits fail at once), then the commit fails
             self._break()
         self._commit(error, broken=broken, deadline=deadline, version=version)
@@ -263,132 +265,7 @@ def _timeout(left: timedelta | None) -> dict[str, timedelta]:
     return {} if left is None else {"timeout": left}
 
 
-def _checksum_kind(checksum: bool | str) -> str | None:
-    from .executor import _checksum_kind as kind
-
-    return kind(checksum)
-
-
-class RefitSender(_Side):
-    """The trainer side. ``params``: name -> DTensor (or local tensor with ``layouts``)."""
-
-    def __init__(self, params: Mapping[str, Any], *, host: str, port: int, rank: int,
-                 trainer_size: int, inference_size: int,
-                 layouts: Mapping[str, Layout] | None = None,
-                 policy: Mapping[str, str] | None = None,
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES, backend: str = "gloo",
-                 timeout: timedelta = timedelta(seconds=120),
-                 progress: bool | Callable[[int, int], None] = False,
-                 refit_timeout: timedelta | None = None,
-                 connect_timeout: timedelta | None = None,
-                 checksum: bool | str = False) -> None:
-        """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
-        bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
-        ends by one deadline); ``checksum`` (``True``/``"sum"`` or ``"crc32"``) checks
-        every message, on both sides alike."""
-        self.params = params
-        if layouts is None:
-            _, layouts = layouts_of(params)
-        meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
-                         inference_size=inference_size, layouts=layouts, backend=backend,
-                         timeout=connect_timeout or timeout)
-        super().__init__(meet(host, port, **meet_args), policy=policy, budget_bytes=budget_bytes,
-                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
-                         meet_args=meet_args)
-        self.explicit_layouts = layouts is not None
-
-    def refit(self, version: int) -> RefitStats:
-        """Send the current parameters as weight version ``version`` (must increase)."""
-        src = _locals(self.params)
-        stats = self._move(src, {}, version)
-        self.version = stats.version
-        return stats
-
-    def reconnect(self, host: str, port: int, *, inference_size: int | None = None,
-                  timeout: timedelta | None = None) -> None:
-        """Meet the inference side again at ``host:port`` (a new address: the old group
-        is dropped) after a lost worker; the plan is rebuilt for ``inference_size`` (the
-        same as before by default). Collective with every receiver's :meth:`reconnect`
-        or a fresh :class:`RefitReceiver`. ``timeout`` bounds the meeting."""
-        self._remeet(host, port, rank=None, trainer_size=None, inference_size=inference_size,
-                     timeout=timeout)
-
-
-class RefitReceiver(_Side):
-    """The inference side. ``targets``: name -> local tensor to write (views into fused
-    parameters are fine); ``layouts``: name -> Layout over the inference ranks."""
-
-    def __init__(self, targets: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], *,
-                 host: str, port: int, rank: int, trainer_size: int, inference_size: int,
-                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
-                 progress: bool | Callable[[int, int], None] = False,
-                 refit_timeout: timedelta | None = None,
-                 connect_timeout: timedelta | None = None,
-                 checksum: bool | str = False) -> None:
-        """The timeouts and ``checksum`` are as for :class:`RefitSender`."""
-        if staging not in ("shadow", "none"):
-            raise ValueError(f"staging must be 'shadow' or 'none', got {staging!r}")
-        self.targets, self.staging = dict(targets), staging
-        meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
-                         inference_size=inference_size, layouts=layouts, backend=backend,
-                         timeout=connect_timeout or timeout)
-        super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
-                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
-                         meet_args=meet_args)
-        # a clone, not empty: regions no layout covers (vocabulary padding) must keep their
-        # live values when the shadow is copied over
-        self.shadow = ({n: t.detach().clone() for n, t in self.targets.items()}
-                       if staging == "shadow" else self.targets)
-
-    @property
-    def shadow_bytes(self) -> int:
-        """Extra memory the never-torn guarantee costs on this rank."""
-        if self.staging == "none":
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.shadow.values())
-
-    def refit(self) -> RefitStats:
-        """Receive the next weight version; on success it is live and ``version`` is set."""
-        stats = self._move({}, self.shadow, None)
-        if self.staging == "shadow":
-            with torch.no_grad():
-                for name, live in self.targets.items():
-                    live.copy_(self.shadow[name])
-        self.version = stats.version
-        return stats
-
-    def reconnect(self, host: str, port: int, *, rank: int | None = None,
-                  inference_size: int | None = None, timeout: timedelta | None = None,
-                  targets: Mapping[str, torch.Tensor] | None = None,
-                  layouts: Mapping[str, Layout] | None = None) -> None:
-        """Meet the trainer again at ``host:port`` after a lost worker (see
-        :meth:`RefitSender.reconnect`); the live weights and ``version`` are kept. A
-        version whose commit this rank never heard of (the group broke during the final
-        collective) is made live here if another rank committed it. ``rank``,
-        ``targets`` and ``layouts`` change this rank's place (a resized inference side)."""
-        if layouts is not None:
-            self._meet_args["layouts"] = layouts
-        self._remeet(host, port, rank=rank, trainer_size=None, inference_size=inference_size,
-                     timeout=timeout)
-        if targets is not None:
-            self.targets = dict(targets)
-        if self.staging == "shadow":  # fresh memory: nothing of the old group can write it
-            self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
-
-    def _in_doubt(self, version: int) -> None:
-        if self.staging == "shadow":
-            self.pending = version
-
-    def _reconciled(self, committed: int) -> None:
-        if self.pending is not None and committed >= self.pending > self.version:
-            with torch.no_grad():
-                for name, live in self.targets.items():
-                    live.copy_(self.shadow[name])
-            self.version = self.pending
-
-
-def _locals(params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+def local_tensors(params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
     class _Lazy(dict):
         def __missing__(self, name):  # DTensor -> its local shard, read at send time
             p = params[name]
@@ -422,12 +299,12 @@ def _split_by_policy(plan: Plan, policy: Mapping[str, str]) -> dict[str, Plan]:
         return {next(iter(groups)): plan}
     out = {}
     for method, tensors in groups.items():
-        out[method] = make_plan({t.name: t.src for t in tensors},
+        out[method] = planner.plan({t.name: t.src for t in tensors},
                                 {t.name: t.dst for t in tensors}, allow_cast=True)
     return out
 
 
-def _print_progress(done: int, total: int) -> None:
+def print_progress(done: int, total: int) -> None:
     if total:
         print(f"\rrefit: {done / total:6.1%} of {total / 2**20:.1f} MiB sent", end="",
               flush=True)

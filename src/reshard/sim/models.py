@@ -20,6 +20,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from reshard.errors import ConfigError
+
 __all__ = [
     "DTYPE_BYTES", "PRESETS", "PUBLISHED_PARAMS", "ModelSpec", "TensorSpec", "dtype_bytes",
     "load_config", "model_from_config", "model_from_path", "preset", "synthetic_model",
@@ -34,7 +36,7 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +230,7 @@ def model_from_config(
     family = _ALIASES.get(model_type, model_type)
     if family not in _FAMILIES:
         known = ", ".join(sorted([*_FAMILIES, *_ALIASES]))
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {known}")
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {known}")
     dtype_bytes(dtype)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     out: Tensors = [TensorSpec("model.embed_tokens.weight", (vocab, h), dtype)]
@@ -349,7 +351,7 @@ def preset(name: str, *, dtype: str = "bfloat16") -> ModelSpec:
     try:
         config = PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
     return model_from_config(config, name=name, dtype=dtype)
 
 
@@ -398,12 +400,12 @@ def synthetic_model(
         raw = math.sqrt(params / 68)
         hidden = _round_to(raw, 128 if raw >= 1024 else 64)
     if hidden < 64 or hidden % 64:
-        raise ValueError(f"hidden must be a positive multiple of 64, got {hidden}")
+        raise ConfigError(f"hidden must be a positive multiple of 64, got {hidden}")
     spec = model_from_config(_synthetic_config(params, hidden), name=name, dtype=dtype)
     if abs(spec.nbytes - total_bytes) > 0.05 * total_bytes:
-        raise ValueError(f"cannot build ~{total_bytes} bytes with hidden={hidden} "
+        raise ConfigError(f"cannot build ~{total_bytes} bytes with hidden={hidden} "
                          f"(closest: {spec.nbytes}); pick another hidden size")
     if len(spec.tensors) >= _MAX_SYNTHETIC_TENSORS:
-        raise ValueError(f"hidden={hidden} needs {len(spec.tensors)} tensors for "
+        raise ConfigError(f"hidden={hidden} needs {len(spec.tensors)} tensors for "
                          f"{total_bytes} bytes; pick a larger hidden size")
     return spec

@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from reshard.errors import ConfigError
+
 __all__ = [
     "EmulatedCluster", "NetnsUnavailableError", "cards_unavailable_reason", "enter_namespace",
     "netns_unavailable_reason", "use_card",
@@ -127,17 +129,17 @@ class EmulatedCluster:
         nics_per_node: int = 1,
     ) -> None:
         if not 1 <= num_nodes <= 250:
-            raise ValueError(f"num_nodes must be in [1, 250], got {num_nodes}")
+            raise ConfigError(f"num_nodes must be in [1, 250], got {num_nodes}")
         if nics_per_node < 1 or num_nodes * nics_per_node > 250:
-            raise ValueError(f"need nics_per_node >= 1 and at most 250 cards in all, got "
+            raise ConfigError(f"need nics_per_node >= 1 and at most 250 cards in all, got "
                              f"{nics_per_node} per node on {num_nodes} nodes")
         if rate_mbit <= 0 or delay_ms < 0:
-            raise ValueError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
+            raise ConfigError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
         pid = os.getpid()
         tag = f"{prefix}{pid}{chr(ord('a') + next(_instances) % 26)}"
         longest = f"v{num_nodes - 1}" + (f"n{nics_per_node - 1}" if nics_per_node > 1 else "")
         if len(tag) + max(2, len(longest)) > _IFNAMSIZ:
-            raise ValueError(f"prefix {prefix!r} too long for interface names")
+            raise ConfigError(f"prefix {prefix!r} too long for interface names")
         self._num_nodes = num_nodes
         self.nics_per_node = nics_per_node
         self.rate_mbit = float(rate_mbit)

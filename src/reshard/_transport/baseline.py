@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .comm import Comm
-from .layout import box_slices
-from .plan import Plan, TensorPlan
-from .stats import distinct_shard_slots
-from .transport import RunStats
+from reshard._transport.runner import RunStats
+from reshard.comm import Comm
+from reshard.layout import box_slices
+from reshard.planner import Plan, TensorPlan
+from reshard.stats import distinct_shard_slots
 
 __all__ = ["GatherBroadcast"]
 

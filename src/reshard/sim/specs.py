@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from .errors import LayoutError
-from .layout import Layout
-from .mesh import Mesh
-from .placement import Placement, Replicate, Shard, StridedShard, chunk_bounds
+from reshard.errors import LayoutError
+from reshard.layout import Layout
+from reshard.mesh import Mesh
+from reshard.placement import Placement, Replicate, Shard, StridedShard, chunk_bounds
 
 __all__ = ["ParallelSpec", "model_layouts", "tensor_parallel_dim"]
 

@@ -1,22 +1,20 @@
-"""``reshard simulate``: predicted refit time of a model between two parallel layouts on a
+"""Predicted refit time of a model between two parallel layouts on a
 cluster preset, for every method, with the bottleneck and the lower bound; optional
 plots (byte matrix, link loads) and sweeps over model size or cluster size.
-
-    reshard simulate --model deepseek-v3 --src pp16,ep16 --dst tp32,dp8 --cluster dgx-h100
+The command ``reshard simulate`` (:mod:`reshard.tools.simulate_cmd`) prints them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from dataclasses import asdict
 from typing import Any
 
-from .cluster import CLUSTERS, get_cluster
-from .costmodel import DEFAULT_BUDGET_BYTES, METHODS, Simulation, simulate
+from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
+from reshard.errors import ConfigError
+from reshard.sim.cluster import get_cluster
+from reshard.sim.costmodel import Simulation, simulate
 
-__all__ = ["register", "run_case", "sweep"]
+__all__ = ["byte_matrix", "plot_simulation", "plot_sweep", "run_case", "sweep"]
 
 _LINKS = (("nic_out", "NIC out"), ("nic_in", "NIC in"), ("intra_out", "fast out"),
           ("intra_in", "fast in"))
@@ -26,8 +24,8 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
              dst_dtype: str | None = None, separate: bool = True) -> dict[str, Any]:
     """Plan ``model`` (a ModelSpec) from ``src`` to ``dst`` and simulate it on ``cluster``;
     returns the plan, the simulation and the timings."""
-    from .plan import plan as make_plan
-    from .specs import ParallelSpec, model_layouts
+    from reshard import planner
+    from reshard.sim.specs import ParallelSpec, model_layouts
 
     cluster = get_cluster(cluster)
     t0 = time.perf_counter()
@@ -35,71 +33,12 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
     src_layouts = model_layouts(model.tensors, src_spec)
     dst_layouts = model_layouts(model.tensors, dst, first_rank=src_spec.world_size,
                                 dtype=dst_dtype)
-    plan = make_plan(src_layouts, dst_layouts, allow_cast=dst_dtype is not None)
+    plan = planner.plan(src_layouts, dst_layouts, allow_cast=dst_dtype is not None)
     t1 = time.perf_counter()
     ranks = cluster.place(*plan.ranks(), separate=separate)
     sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes)
     t2 = time.perf_counter()
     return {"plan": plan, "sim": sim, "plan_seconds": t1 - t0, "simulate_seconds": t2 - t1}
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
-
-
-def _rows(sim: Simulation) -> list[list[str]]:
-    rows = []
-    for m, p in sim.predictions.items():
-        ratio = p.seconds / sim.lower_bound_s if sim.lower_bound_s else float("nan")
-        network = _gb(p.loads.network_bytes) if p.loads is not None else ""
-        rows.append([m, f"{p.seconds:.3f}", f"{ratio:.2f}x", network])
-    rows.append(["lower bound", f"{sim.lower_bound_s:.3f}", "1.00x", _gb(sim.network_bytes)])
-    return rows
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from .cli import _table, parse_bytes
-
-    cluster = get_cluster(args.cluster)
-    budget = parse_bytes(args.budget)
-    if args.sweep:
-        return _cmd_sweep(args, cluster, budget)
-    model = _model(args)
-    case = run_case(model, args.src, args.dst, cluster, budget_bytes=budget,
-                    dst_dtype=args.dst_dtype, separate=not args.shared_domains)
-    sim: Simulation = case["sim"]
-    if args.plot:
-        plot_simulation(sim, args.plot, title=f"{model.name}: {args.src} -> {args.dst} on "
-                                              f"{cluster.name}")
-    if args.json:
-        print(json.dumps({"model": model.name, "model_bytes": model.nbytes, "src": args.src,
-                          "dst": args.dst, "cluster_params": asdict(cluster),
-                          "plan_seconds": case["plan_seconds"],
-                          "simulate_seconds": case["simulate_seconds"],
-                          "plan_stats": case["plan"].stats().as_dict(), **sim.as_dict()}))
-        return 0
-    _table(f"predicted refit, {model.name} ({_gb(model.nbytes)}): {args.src} -> {args.dst} "
-           f"on {cluster.name}", ["method", "seconds", "vs bound", "network bytes"], _rows(sim))
-    for m, p in sim.predictions.items():
-        print(f"  {m} bottleneck: {p.bottleneck}")
-    print(f"  lower bound: {sim.lower_bound}")
-    print(f"planned {len(case['plan'])} tensors in {case['plan_seconds']:.2f} s, simulated "
-          f"in {case['simulate_seconds']:.2f} s; cluster: {cluster.source}")
-    if args.plot:
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _model(args: argparse.Namespace):
-    from .cli import parse_bytes
-    from .models import preset, synthetic_model
-
-    try:
-        if args.model is None:
-            return synthetic_model(parse_bytes(args.model_bytes), dtype=args.dtype)
-        return preset(args.model, dtype=args.dtype)
-    except ValueError as e:  # unknown preset or dtype: the same exit as other user errors
-        raise SystemExit(f"reshard: error: {e}") from None
 
 
 # ------------------------------------------------------------------------------ sweeps
@@ -114,9 +53,9 @@ def sweep(kind: str, src: str, dst: str, cluster, *, model: str | None = None,
     """Predicted times over model size (``kind="model"``: the presets that the two specs
     fit) or over cluster size (``kind="cluster"``: the inference side's dp doubled from 1
     up to its value in ``dst``, or up to 16 when it is 1)."""
-    from .errors import LayoutError
-    from .models import preset
-    from .specs import AXES, ParallelSpec
+    from reshard.errors import LayoutError
+    from reshard.sim.models import preset
+    from reshard.sim.specs import AXES, ParallelSpec
 
     cases: list[tuple[str, str, str]] = []
     if kind == "model":
@@ -130,7 +69,7 @@ def sweep(kind: str, src: str, dst: str, cluster, *, model: str | None = None,
             cases.append((model or "deepseek-v3", src,
                           ",".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "dp1"))
     else:
-        raise ValueError(f"--sweep expects 'model' or 'cluster', got {kind!r}")
+        raise ConfigError(f"--sweep expects 'model' or 'cluster', got {kind!r}")
     out = []
     for name, s, d in cases:
         spec = preset(name, dtype=dtype)
@@ -145,29 +84,6 @@ def sweep(kind: str, src: str, dst: str, cluster, *, model: str | None = None,
                     "gpus": gpus, "lower_bound_s": sim.lower_bound_s,
                     **{m: p.seconds for m, p in sim.predictions.items()}})
     return out
-
-
-def _cmd_sweep(args: argparse.Namespace, cluster, budget: int) -> int:
-    from .cli import _table
-
-    rows = sweep(args.sweep, args.src, args.dst, cluster, model=args.model, budget_bytes=budget,
-                 dst_dtype=args.dst_dtype, dtype=args.dtype)
-    if args.plot:
-        plot_sweep(rows, args.sweep, args.plot, title=f"{args.src} -> {args.dst} on "
-                                                       f"{cluster.name}")
-    if args.json:
-        print(json.dumps({"sweep": args.sweep, "cluster": cluster.name, "rows": rows}))
-        return 0
-    table = []
-    for r in rows:
-        if "skipped" in r:
-            table.append([r["model"], r["dst"], "", "", "", "", f"skipped: {r['skipped']}"])
-            continue
-        table.append([r["model"], r["dst"], str(r["gpus"]), _gb(r["model_bytes"]),
-                      *(f"{r[m]:.3f}" for m in METHODS), f"{r['lower_bound_s']:.3f}"])
-    _table(f"sweep over {args.sweep} size on {cluster.name} (seconds)",
-           ["model", "dst", "GPUs", "size", *METHODS, "lower bound"], table)
-    return 0
 
 
 # ------------------------------------------------------------------------------- plots
@@ -259,30 +175,3 @@ def plot_sweep(rows: list[dict[str, Any]], kind: str, path: str, *, title: str =
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------------- cli
-
-def register(subparsers) -> None:
-    """Add ``reshard simulate`` to the ``reshard`` command's subparsers."""
-    s = subparsers.add_parser("simulate", help="predict refit time on a cluster preset")
-    s.add_argument("--model", default=None, help="a model preset, e.g. deepseek-v3")
-    s.add_argument("--model-bytes", default="1GiB", help="synthetic model size (no --model)")
-    s.add_argument("--dtype", default="bfloat16")
-    s.add_argument("--dst-dtype", default=None,
-                   help="inference dtype when it differs (e.g. float8_e4m3fn: cast on send)")
-    s.add_argument("--src", required=True, help="trainer layout, e.g. pp16,ep16")
-    s.add_argument("--dst", required=True, help="inference layout, e.g. tp8,dp16")
-    s.add_argument("--cluster", default="dgx-h100",
-                   help=f"{', '.join(CLUSTERS)}, custom:domain=8,intra=450,nic=45, or "
-                        "PRESET:key=value overrides")
-    s.add_argument("--budget", default="256MiB", help="staging budget per rank")
-    s.add_argument("--shared-domains", action="store_true",
-                   help="rank r sits in domain r // domain size (default: trainer and "
-                        "inference fill separate domains)")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="draw the byte matrix and link loads (or the sweep) to FILE.png")
-    s.add_argument("--sweep", choices=("model", "cluster"), default=None,
-                   help="predict over model presets, or over the inference side's dp")
-    s.set_defaults(func=cmd_simulate)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from .errors import ReshardError
-from .layout import Layout, LocalView, Piece, dtype_itemsize, dtype_name
-from .mesh import Mesh
-from .placement import Replicate, Shard, StridedShard
+from reshard.errors import MappingError
+from reshard.layout import Layout, LocalView, Piece, dtype_itemsize, dtype_name
+from reshard.mesh import Mesh
+from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
     "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
@@ -50,10 +50,6 @@ __all__ = [
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the vocabulary is padded to a multiple of it.
 VOCAB_PADDING = 64
-
-
-class MappingError(ReshardError, ValueError):
-    """A Hugging Face tensor has no rule, or vLLM's shapes disagree with the config."""
 
 
 def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
@@ -377,7 +373,7 @@ class VllmMapping:
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
-    """A plain config dict from a dict, a :class:`reshard.models.ModelSpec` or anything
+    """A plain config dict from a dict, a :class:`reshard.sim.models.ModelSpec` or anything
     with ``to_dict()`` (a transformers config); a multimodal ``text_config`` unwrapped."""
     if hasattr(config, "tensors") and hasattr(config, "config"):
         config = config.config
@@ -392,7 +388,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def _hf_tensors(config: Any, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    from .models import model_from_config
+    from reshard.sim.models import model_from_config
 
     spec = config if hasattr(config, "tensors") else model_from_config(cfg)
     return {t.name: tuple(t.shape) for t in spec.tensors}
@@ -409,7 +405,7 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
     when given, every shape the rules derive is checked against it and the vLLM names
     are picked from it. ``hf_tensors``: the HF names and global shapes the trainer holds
     (for example transformers 5's fused expert tensors); defaults to the checkpoint
-    names of ``config`` (:func:`reshard.models.model_from_config`). ``dtype``: vLLM's
+    names of ``config`` (:func:`reshard.sim.models.model_from_config`). ``dtype``: vLLM's
     parameter dtype (the trainer may hold another one; the sender casts).
     """
     if tp < 1:
@@ -453,7 +449,7 @@ def _apply(rules: Sequence[tuple[re.Pattern[str], Rule]], name: str, shape: tupl
         if m:
             return rule(m, shape, ctx)
     raise MappingError(f"no rule maps the Hugging Face tensor {name!r} (shape {list(shape)}) "
-                       "to vLLM; add one to reshard.mapping.RULES")
+                       "to vLLM; add one to reshard.integrations.vllm_mapping.RULES")
 
 
 def _check_filled(tensors: Mapping[str, MappedTensor],

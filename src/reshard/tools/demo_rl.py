@@ -1,4 +1,4 @@
-"""``python -m reshard.demo_rl``: a tiny RL loop with a real vLLM engine, refitted by reshard.
+"""``python -m reshard.tools.demo_rl``: a tiny RL loop with a real vLLM engine, refitted by reshard.
 
 * Trainer: 2 gloo processes holding a tiny transformers Qwen3 sharded with FSDP2
   (float32 master weights), AdamW.
@@ -45,8 +45,8 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
 
     import torch
 
-    from .integrations import hf
-    from .refit import RefitSender
+    from reshard.integrations import hf
+    from reshard.refit.sender import RefitSender
 
     torch.manual_seed(0)
     model = hf.shard_fsdp2(hf.load_model(model_dir, torch.float32))
@@ -110,9 +110,9 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any, SamplingParams: Any) ->
 
     import torch
 
-    from .integrations import hf
-    from .integrations.vllm import collective
-    from .launch import free_port, run_processes
+    from reshard.integrations import hf
+    from reshard.integrations.vllm import collective
+    from reshard.tools.launch import free_port, run_processes
 
     model_dir = hf.build_tiny_model(work / "tiny-qwen3", "qwen3", vocab_size=500)
     out_dir = work / "steps"

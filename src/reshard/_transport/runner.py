@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from .comm import Comm
-from .errors import TransferError
-from .integrity import CHECKSUMS, digest
-from .schedule import DEST, Hop, Schedule
-from .views import RegionViews
+from reshard._transport.integrity import CHECKSUMS, digest
+from reshard._transport.views import RegionViews
+from reshard.comm import Comm
+from reshard.errors import TransferError
+from reshard.schedule import DEST, Hop, Schedule
 
 _ALIGN = 16
 _DIGEST_TAG = (1 << 30) + 7  # the checksum messages' tag, above any round number

@@ -13,7 +13,7 @@ share one long-lived TCP store hosted by trainer rank 0. Trainer rank 0 coordina
   participant of the new epoch forms a **fresh stateless gloo group over a**
   ``PrefixStore("epoch/<n>")`` **of the same store** (trainer ranks first, then the
   replicas in join order) and the refit runs on it with the protocol of
-  :mod:`reshard.refit`: bad tensors refused on every rank before any byte moves, a
+  :mod:`reshard.refit.side`: bad tensors refused on every rank before any byte moves, a
   shadow copy on each receiver, one commit collective, the previous version kept on
   any failure, optional deadline and checksum;
 * a replica that left sees itself out of the next announcement and its ``refit()``
@@ -49,14 +49,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
-from .errors import PlanError, ReshardError, TransferError
-from .executor import DEFAULT_BUDGET_BYTES, Executor
-from .layout import Layout
-from .plan import Plan
-from .plan import plan as make_plan
-from .refit import RefitStats, _locals, _print_progress, _Side, layouts_of
-from .rendezvous import Meeting
+from reshard import planner
+from reshard.comm import Comm
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.errors import PlanError, ReshardError, TransferError
+from reshard.executor import Executor
+from reshard.layout import Layout
+from reshard.planner import Plan
+from reshard.refit.rendezvous import Meeting
+from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
 
 __all__ = ["Announcement", "ElasticReceiver", "ElasticSender"]
 
@@ -74,7 +75,7 @@ class Announcement:
     members: tuple[tuple[str, int], ...]  # (replica id, tp size), in group order
 
 
-class _EpochSide(_Side):
+class _EpochSide(Side):
     """The refit protocol of :mod:`reshard.refit` on one epoch's group: a single executor
     over the epoch's combined plan."""
 
@@ -89,8 +90,8 @@ class _EpochSide(_Side):
         progress = self._options[2]  # the budget is the one every rank agreed on
         ex = Executor(meeting.plan, self.comm, method=self.method,
                       budget_bytes=self.budget_bytes, checksum=self.checksum)
-        if ex._runner is not None and progress:
-            ex._runner.progress = progress if callable(progress) else _print_progress
+        if progress:
+            ex.progress = progress if callable(progress) else print_progress
         return [ex]
 
     def enter(self, meeting: Meeting) -> None:
@@ -122,7 +123,7 @@ class _Planner:
             missing = sorted(set(self.src) - set(layouts))
             if missing:
                 raise PlanError(f"the replica's layouts lack trainer tensors {missing[:5]}")
-            found = make_plan({_name(offset, n): self.src[n] for n in names},
+            found = planner.plan({_name(offset, n): self.src[n] for n in names},
                               {_name(offset, n): layouts[n].shifted(offset) for n in names},
                               allow_cast=True)
             self.cache[key] = found
@@ -273,7 +274,7 @@ class ElasticSender(_Participant):
         if ann.epoch != self.epoch or self.broken:
             self.enter(ann, lambda offsets: self.rank, "trainer")
         assert self.side is not None
-        local = _locals(self.params)
+        local = local_tensors(self.params)
         src = {_name(o, name): local[name] for o in self.offsets.values()
                for name in self.layouts}
         try:

@@ -3,7 +3,7 @@ refit benchmark.
 
 1. An 8x8 matrix row-sharded on 2 trainer ranks goes to 4 inference ranks that shard
    it by columns: every destination takes a 4x2 region from each source.
-2. The main job (``reshard.demo_rl``): a transformers Qwen3 trainer sharded with FSDP2
+2. The main job (``reshard.tools.demo_rl``): a transformers Qwen3 trainer sharded with FSDP2
    over 2 gloo ranks and a vLLM engine (CPU, tensor parallel 2); each RL step generates
    with vLLM, trains, refits, and checks vLLM against transformers and vLLM's own loader.
 3. A synthetic transformer state moves from a tp4 trainer to a tp2 x dp2 inference
@@ -42,7 +42,7 @@ def brief_example() -> None:
 def main() -> int:
     brief_example()
     print("2) RL refit: FSDP2 trainer (2 gloo ranks) -> vLLM engine (TP=2, CPU)", flush=True)
-    from .demo_rl import main as rl_main
+    from reshard.tools.demo_rl import main as rl_main
 
     status = rl_main([])
     if status == 2:
@@ -50,7 +50,7 @@ def main() -> int:
     size = os.environ.get("RESHARD_DEMO_BYTES", "256MiB")
     print(f"\n3) refit of a {size} synthetic transformer: trainer tp4 (ranks 0-3) -> "
           "inference tp2 x dp2 (ranks 4-7)", flush=True)
-    from .cli import main as cli_main
+    from reshard.tools.cli import main as cli_main
 
     bench = cli_main(["bench", "--src", "tp4", "--dst", "tp2,dp2", "--model-bytes", size])
     print("   (the README's figures are for 1 GiB, where the fixed cost per message weighs "

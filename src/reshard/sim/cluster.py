@@ -17,7 +17,7 @@ behaviour (never fitted to the refit results it is later compared with):
   8.4 us base latency per operation, 3.4 us per NVLink hop, 9.6 us per network hop.
 
 The ``emulated`` cluster describes this repository's emulated nodes (network namespaces
-joined by rate-limited veth links, see :mod:`reshard.netns`); its constants are measured
+joined by rate-limited veth links, see :mod:`reshard.tools.netns`); its constants are measured
 on the machine by ``benchmarks/validate_costmodel.py`` (bare sends, no refit), and the
 preset below holds one such measurement for ``--cluster emulated``.
 """
@@ -28,15 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .errors import ReshardError
+from reshard.errors import ClusterError
 
 __all__ = ["CLUSTERS", "Cluster", "ClusterError", "RankMap", "emulated", "get_cluster"]
 
 COLLECTIVES = ("nccl", "gloo")
-
-
-class ClusterError(ReshardError, ValueError):
-    """A cluster description is malformed or unknown."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +132,7 @@ class RankMap:
 
     def topology(self):
         """The same placement as a :class:`reshard.topology.Topology` (for schedules)."""
-        from .topology import Topology
+        from reshard.topology import Topology
 
         return Topology(domains={r: d for r, d in enumerate(self.domain) if d >= 0})
 
@@ -144,7 +140,7 @@ class RankMap:
 def emulated(*, nic_gb_per_s: float, intra_gb_per_s: float, latency_s: float,
              shared_intra_gb_per_s: float | None, gpus_per_node: int,
              source: str = "measured") -> Cluster:
-    """The emulated nodes of :mod:`reshard.netns`: one shaped link per node (shared by all
+    """The emulated nodes of :mod:`reshard.tools.netns`: one shaped link per node (shared by all
     its ranks), loopback inside a node, gloo collectives."""
     return Cluster(name="emulated", gpus_per_domain=gpus_per_node, gpus_per_nic=gpus_per_node,
                    intra_gb_per_s=intra_gb_per_s, nic_gb_per_s=nic_gb_per_s,

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from .comm import Comm
-from .errors import FingerprintMismatchError, PlanError
-from .layout import Layout
-from .plan import Plan, plan
+from reshard.comm import Comm
+from reshard.errors import FingerprintMismatchError, PlanError
+from reshard.layout import Layout
+from reshard.planner import Plan, plan
 
 __all__ = ["Meeting", "meet"]
 

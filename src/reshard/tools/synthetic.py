@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout, box_slices
+from reshard.layout import Layout, box_slices
 
 
 def _values(offset, size, shape, salt: int) -> torch.Tensor:

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from .executor import DEFAULT_BUDGET_BYTES, METHODS, Executor
-from .launch import run_processes
-from .models import synthetic_model
-from .plan import plan as make_plan
-from .schedule import flat_schedule
-from .specs import ParallelSpec, model_layouts
-from .synthetic import fill_local, matches
+from reshard import planner
+from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
+from reshard.executor import Executor
+from reshard.schedule import flat_schedule
+from reshard.sim.models import synthetic_model
+from reshard.sim.specs import ParallelSpec, model_layouts
+from reshard.tools.launch import run_processes
+from reshard.tools.synthetic import fill_local, matches
 
 __all__ = ["BenchConfig", "run_bench"]
 
@@ -50,7 +51,7 @@ def build_plan(cfg: BenchConfig):
     src_spec, dst_spec = ParallelSpec.parse(cfg.src), ParallelSpec.parse(cfg.dst)
     src = model_layouts(model.tensors, src_spec, dtype=cfg.dtype)
     dst = model_layouts(model.tensors, dst_spec, first_rank=src_spec.world_size, dtype=cfg.dtype)
-    return make_plan(src, dst), src_spec.world_size + dst_spec.world_size
+    return planner.plan(src, dst), src_spec.world_size + dst_spec.world_size
 
 
 def _timed(comm_barrier, fn, repeats: int) -> list[float]:
@@ -67,16 +68,18 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
     """One rank: verify every method once, then time them interleaved (floor, each
     method, floor, ...) so that load from the rest of the machine hits all alike, the
     order rotated every repeat so that each also takes every place in it."""
-    from .comm import Comm
+    from reshard.comm import Comm
 
     plan, _ = build_plan(cfg)
     comm = Comm.from_group()
     src = {t.name: fill_local(t.src, rank) for t in plan.tensors if rank in t.src.rank_set}
     dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype))
            for t in plan.tensors if rank in t.dst.rank_set}
-    runs: dict[str, Any] = {"floor": _floor_runner(plan, comm)}
+    runs: dict[str, Any] = {"floor": floor_runner(plan, comm)}
     result: dict[str, Any] = {"methods": {}}
     for method in cfg.methods:  # "reshard+sum" / "p2p+crc32": with per-message checksums
+        if method == "redistribute":
+            continue
         base, _, checksum = method.partition("+")
         ex = Executor(plan, comm, method=base, budget_bytes=cfg.budget_bytes,
                       topology=cfg.topology if base == "reshard" else None,
@@ -88,6 +91,8 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
         result["methods"][method] = {"times": [], "sent": stats.bytes_sent, "ok": ok,
                                      "staging": stats.peak_staging_bytes}
         runs[method] = lambda ex=ex: ex.run(src, dst, check=False)
+    if "redistribute" in cfg.methods:
+        _add_redistribute(plan, comm, src, dst, cfg, result, runs)
     runs["floor"]()
     floor_times: list[float] = []
     order = list(runs.items())
@@ -100,7 +105,54 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
     return result
 
 
-def _floor_runner(plan, comm):
+def _add_redistribute(plan, comm, src, dst, cfg: BenchConfig, result: dict, runs: dict) -> None:
+    """The one-call collective on the same plan: the model as ``{name: DTensor}``, the
+    destination given as ``out=`` DTensors over the same buffers. Timed calls are repeated
+    calls (the plan, schedule and topology come from its cache; the agreement collective
+    runs every call, as ``check=True`` does for an executor)."""
+    from reshard.dtensor import redistribute
+
+    sources = dtensors_of(plan, comm.rank, src, "src")
+    outs = dtensors_of(plan, comm.rank, dst, "dst")
+    for tensor in dst.values():
+        tensor.zero_()
+    redistribute(sources, out=outs, budget_bytes=cfg.budget_bytes)  # plans; verified below
+    ok = all(matches(t.dst, comm.rank, dst[t.name]) for t in plan.tensors if t.name in dst)
+    # the same plan, method and budget as the `reshard` executor: the same bytes move
+    ex = Executor(plan, comm, method="reshard", budget_bytes=cfg.budget_bytes,
+                  topology=cfg.topology)
+    stats = ex.run(src, dst)
+    result["methods"]["redistribute"] = {"times": [], "sent": stats.bytes_sent, "ok": ok,
+                                         "staging": stats.peak_staging_bytes}
+    runs["redistribute"] = lambda: redistribute(sources, out=outs,
+                                                budget_bytes=cfg.budget_bytes)
+
+
+def dtensors_of(plan, rank: int, locals_: dict, side: str) -> dict:
+    """Each tensor of the plan as a DTensor over ``locals_`` (shared memory), on a
+    DeviceMesh per distinct rank grid (every rank builds the same ones, in order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from reshard.dtensor import torch_placements
+
+    meshes: dict[tuple, Any] = {}
+    out = {}
+    for t in plan.tensors:
+        layout = getattr(t, side)
+        key = (layout.ranks, layout.mesh.shape)
+        if key not in meshes:
+            meshes[key] = DeviceMesh("cpu", torch.tensor(layout.ranks).reshape(
+                layout.mesh.shape))
+        local = locals_.get(t.name, torch.empty(0, dtype=getattr(torch, layout.dtype)))
+        stride = torch.empty(layout.shape).stride() if layout.shape else ()
+        out[t.name] = DTensor.from_local(local, meshes[key], torch_placements(
+            layout.placements), run_check=False, shape=torch.Size(layout.shape),
+            stride=stride)
+    return out
+
+
+def floor_runner(plan, comm):
     """The floor: one preallocated message per (sender, receiver) pair of the plan,
     nothing packed, nothing planned, all posted together.
 
@@ -159,7 +211,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
         return _summarise(per_rank, cfg)
     from functools import partial
 
-    from .netns import EmulatedCluster, NetnsUnavailableError, cards_unavailable_reason
+    from reshard.tools.netns import EmulatedCluster, NetnsUnavailableError, cards_unavailable_reason
 
     if cfg.nic_per_rank and (reason := cards_unavailable_reason()):
         raise NetnsUnavailableError(reason)
@@ -169,7 +221,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
                          nics_per_node=max(cards.values()) + 1 if cards else 1) as cluster:
         names = {r: cluster.ns_name(n) for r, n in nodes.items()}
         per_rank = run_processes(_worker, world, cfg, timeout=timeout,
-                                 setup=partial(_enter, names, cards),
+                                 setup=partial(enter_rank_namespace, names, cards),
                                  master_addr=cluster.node_addr(0),
                                  env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
     out = _summarise(per_rank, cfg)
@@ -183,7 +235,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 1800) -> dict:
 def link_classes(cfg: BenchConfig, nodes: dict[int, int], plan=None) -> dict:
     """Bytes per link class of the reshard and p2p schedules on these nodes, and the
     inter-node lower bound (each node receives each byte it needs once)."""
-    from .topology import Topology, domain_schedule, inter_domain_lower_bound, link_bytes
+    from reshard.topology import Topology, domain_schedule, inter_domain_lower_bound, link_bytes
 
     plan = plan if plan is not None else build_plan(cfg)[0]
     topo = Topology(domains=nodes)
@@ -201,8 +253,8 @@ def card_of_rank(nodes: dict[int, int]) -> dict[int, int]:
     return out
 
 
-def _enter(names: dict[int, str], cards: dict[int, int] | None, rank: int) -> None:
-    from .netns import EmulatedCluster, enter_namespace, use_card
+def enter_rank_namespace(names: dict[int, str], cards: dict[int, int] | None, rank: int) -> None:
+    from reshard.tools.netns import EmulatedCluster, enter_namespace, use_card
 
     enter_namespace(names[rank])
     if cards is None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .layout import box_slices
-from .schedule import DEST, Hop
+from reshard.layout import box_slices
+from reshard.schedule import DEST, Hop
 
 __all__ = ["RegionViews", "flat_bytes"]
 

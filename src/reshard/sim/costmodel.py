@@ -18,7 +18,7 @@ groups. Assumptions, stated once:
   that needer forwards it to the domain's other needers over the fast links. The two
   stages are pipelined in chunks: time = max(network, forward) + one chunk through the
   faster stage. This is :func:`reshard.topology.domain_schedule` in aggregate.
-* ``gather_broadcast``: the buckets of :mod:`reshard.baseline`, one after another per
+* ``gather_broadcast``: the buckets of :mod:`reshard._transport.baseline`, one after another per
   rank: all-gather of the bucket among its source ranks (ring), then a broadcast from
   the first source rank to every destination rank. With NCCL the broadcast is a
   pipelined ring: each byte crosses each ring link once, so it takes bytes / (slowest
@@ -40,18 +40,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .cluster import Cluster, RankMap, get_cluster
-from .plan import _gc_paused
-from .stats import _groups, distinct_shard_slots
+from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
+from reshard.errors import ClusterError, ConfigError
+from reshard.planner import gc_paused
+from reshard.sim.cluster import Cluster, RankMap, get_cluster
+from reshard.stats import distinct_shard_slots, tensor_groups
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from reshard.planner import Plan
 
-__all__ = ["DEFAULT_BUDGET_BYTES", "METHODS", "LinkLoads", "Prediction", "Simulation",
+__all__ = ["LinkLoads", "Prediction", "Simulation",
            "simulate"]
 
-METHODS = ("gather_broadcast", "p2p", "reshard")
-DEFAULT_BUDGET_BYTES = 256 << 20  # the executor's default staging budget (no torch here)
 
 
 @dataclass(frozen=True)
@@ -124,17 +124,17 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
     cluster = get_cluster(cluster)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; expected some of {METHODS}")
+        raise ConfigError(f"unknown methods {unknown}; expected some of {METHODS}")
     src_ranks, dst_ranks = plan.ranks()
     if ranks is None:
         ranks = cluster.place(src_ranks, dst_ranks)
     unplaced = sorted(r for r in src_ranks | dst_ranks
                       if r >= len(ranks.domain) or ranks.domain[r] < 0)
     if unplaced:
-        raise ValueError(f"ranks {unplaced[:8]} of the plan have no domain in the rank map")
+        raise ClusterError(f"ranks {unplaced[:8]} of the plan have no domain in the rank map")
     net = _Net(cluster, ranks)
-    with _gc_paused():  # many small tuples, no cycles: see reshard.plan
-        groups = _groups(plan.tensors)
+    with gc_paused():  # many small tuples, no cycles: see reshard.planner
+        groups = tensor_groups(plan.tensors)
         bound_s, bound_what, network_bytes = _lower_bound(groups, net)
         pairs = _plan_pairs(plan, groups)
         model = {"p2p": lambda: _p2p(pairs, net, budget_bytes, bound_s),
@@ -413,7 +413,7 @@ class _BucketCost:
 
 
 def _buckets(plan: Plan, budget: int) -> list[list]:
-    """The buckets of :mod:`reshard.baseline`: [gathering source ranks (one replica),
+    """The buckets of :mod:`reshard._transport.baseline`: [gathering source ranks (one replica),
     destination rank set, bytes, bytes each of them holds], consecutive tensors with the
     same ranks, at most ``budget`` bytes each (a larger tensor alone)."""
     out: list[list] = []

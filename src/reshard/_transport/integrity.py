@@ -8,9 +8,10 @@ import zlib
 
 import torch
 
-__all__ = ["CHECKSUMS", "digest"]
+from reshard.defaults import CHECKSUMS
+from reshard.errors import ConfigError
 
-CHECKSUMS = ("sum", "crc32")
+__all__ = ["CHECKSUMS", "digest"]
 
 
 def digest(buf: torch.Tensor, kind: str = "sum") -> int:
@@ -24,7 +25,7 @@ def digest(buf: torch.Tensor, kind: str = "sum") -> int:
         data = buf.detach().reshape(-1).view(torch.uint8)
         return zlib.crc32(data.cpu().numpy()) if data.numel() else 0
     if kind != "sum":
-        raise ValueError(f"unknown checksum {kind!r}; expected one of {CHECKSUMS}")
+        raise ConfigError(f"unknown checksum {kind!r}; expected one of {CHECKSUMS}")
     data = buf.detach().reshape(-1).view(torch.uint8)
     n = data.numel()
     head = n - n % 8

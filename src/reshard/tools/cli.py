@@ -8,49 +8,16 @@ import os
 import sys
 import time
 
-from .errors import ReshardError
+from reshard.errors import ReshardError
+from reshard.tools.report import human_bytes, parse_bytes, print_table
 
 __all__ = ["main"]
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count as people write it: `1GiB`, `256MiB`, `512k`, `1048576`."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def _table(title: str, headers: list[str], rows: list[list[str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        for row in [headers, *rows]:
-            print("  ".join(f"{c:>14}" for c in row))
-        return
-    table = Table(title=title)
-    for h in headers:
-        table.add_column(h, justify="right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    Console(width=max(Console().width, 110)).print(table)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.nodes:  # c10d warns once per rank that a namespace has no hostname entry
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from .bench import BenchConfig, run_bench
+    from reshard.tools.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=parse_bytes(args.model_bytes),
                       methods=tuple(args.methods.split(",")), repeats=args.repeats,
@@ -60,7 +27,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("reshard: error: --nic-per-rank needs --nodes K", file=sys.stderr)
         return 2
     if cfg.nodes:
-        from .netns import cards_unavailable_reason, netns_unavailable_reason
+        from reshard.tools.netns import cards_unavailable_reason, netns_unavailable_reason
 
         reason = netns_unavailable_reason()
         if reason is None and cfg.nic_per_rank:
@@ -73,23 +40,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         links = "a card per rank" if cfg.nic_per_rank else "links"
         where = (f" on {cfg.nodes} emulated nodes ({cfg.link_mbit:g} Mbit/s {links})"
                  if cfg.nodes else " on local processes")
-        print(f"reshard bench: {cfg.src} -> {cfg.dst}, {_human(cfg.model_bytes)} {cfg.dtype}"
+        print(f"reshard bench: {cfg.src} -> {cfg.dst}, {human_bytes(cfg.model_bytes)} {cfg.dtype}"
               f"{where}, methods {','.join(cfg.methods)}, {cfg.repeats} timed refits each",
               flush=True)
     result = run_bench(cfg)
     floor = result["floor_seconds"]
-    rows = [[m, f"{r['seconds']:.3f}", _human(r["bytes"]), f"{r['gbps']:.2f}",
-             f"{r['vs_floor']:.2f}x", _human(r["peak_staging_bytes"]),
+    rows = [[m, f"{r['seconds']:.3f}", human_bytes(r["bytes"]), f"{r['gbps']:.2f}",
+             f"{r['vs_floor']:.2f}x", human_bytes(r["peak_staging_bytes"]),
              "yes" if r["verified"] else "NO"] for m, r in result["methods"].items()]
     rows.append(["floor", f"{floor:.3f}", "", "", "1.00x", "", ""])
     if not args.json:
-        _table("refit time (median; slowest rank)", ["method", "seconds", "bytes sent",
+        print_table("refit time (median; slowest rank)", ["method", "seconds", "bytes sent",
                "GB/s", "vs floor", "peak staging", "bit-exact"], rows)
         if "link_bytes" in result:
             lb = result["link_bytes"]
-            print(f"inter-node bytes: reshard {_human(lb['reshard']['inter'])} (lower bound "
-                  f"{_human(lb['inter_lower_bound'])}), p2p {_human(lb['p2p']['inter'])}; "
-                  f"intra-node forwarding: reshard {_human(lb['reshard']['intra'])}")
+            hb = human_bytes
+            print(f"inter-node bytes: reshard {hb(lb['reshard']['inter'])} (lower bound "
+                  f"{hb(lb['inter_lower_bound'])}), p2p {hb(lb['p2p']['inter'])}; "
+                  f"intra-node forwarding: reshard {hb(lb['reshard']['intra'])}")
         if "speedup_vs_gather_broadcast" in result:
             print(f"reshard is {result['speedup_vs_gather_broadcast']:.2f}x faster than "
                   "gather_broadcast")
@@ -98,9 +66,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .models import preset, synthetic_model
-    from .plan import plan as make_plan
-    from .specs import ParallelSpec, model_layouts
+    from reshard import planner
+    from reshard.sim.models import preset, synthetic_model
+    from reshard.sim.specs import ParallelSpec, model_layouts
 
     model = (synthetic_model(parse_bytes(args.model_bytes), dtype=args.dtype) if args.model is None
              else preset(args.model))
@@ -108,22 +76,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     src = model_layouts(model.tensors, src_spec)
     dst = model_layouts(model.tensors, args.dst, first_rank=src_spec.world_size)
-    p = make_plan(src, dst)
+    p = planner.plan(src, dst)
     s = p.stats()
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"model": model.name, "seconds": seconds, **s.as_dict()}))
         return 0
-    rows = [["tensors", str(s.num_tensors)], ["bytes sent", _human(s.bytes_sent)],
-            ["bytes local", _human(s.bytes_local)],
-            ["max send / rank", f"{_human(s.max_send_bytes)} (lower bound "
-                                f"{_human(s.send_lower_bound)})"],
-            ["max recv / rank", f"{_human(s.max_recv_bytes)} (lower bound "
-                                f"{_human(s.recv_lower_bound)})"],
-            ["gather+broadcast payload", _human(s.gather_broadcast_bytes)],
-            ["gather+broadcast on the wire", _human(s.gather_broadcast_wire_bytes)],
+    rows = [["tensors", str(s.num_tensors)], ["bytes sent", human_bytes(s.bytes_sent)],
+            ["bytes local", human_bytes(s.bytes_local)],
+            ["max send / rank", f"{human_bytes(s.max_send_bytes)} (lower bound "
+                                f"{human_bytes(s.send_lower_bound)})"],
+            ["max recv / rank", f"{human_bytes(s.max_recv_bytes)} (lower bound "
+                                f"{human_bytes(s.recv_lower_bound)})"],
+            ["gather+broadcast payload", human_bytes(s.gather_broadcast_bytes)],
+            ["gather+broadcast on the wire", human_bytes(s.gather_broadcast_wire_bytes)],
             ["planning time", f"{seconds:.3f} s"]]
-    _table(f"plan {model.name}: {args.src} -> {args.dst}", ["", ""], rows)
+    print_table(f"plan {model.name}: {args.src} -> {args.dst}", ["", ""], rows)
     return 0
 
 
@@ -158,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dst", required=True)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
-    from .simulate import register as register_simulate
+    from reshard.tools.simulate_cmd import register as register_simulate
     register_simulate(sub)
     return parser
 

@@ -15,12 +15,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ._template import Template, build_template
-from .errors import PlanError
-from .layout import Layout
-from .stats import PlanStats, compute_stats
+from reshard._template import Template, build_template
+from reshard.errors import PlanError
+from reshard.layout import Layout
+from reshard.stats import PlanStats, compute_stats
 
-__all__ = ["Plan", "TensorPlan", "Transfer", "plan"]
+__all__ = ["SINGLE_NAME", "Plan", "TensorPlan", "Transfer", "gc_paused", "plan"]
+
+#: The name :func:`plan` gives the one tensor of a single-layout plan.
+SINGLE_NAME = "tensor"
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class Plan:
 
     def stats(self) -> PlanStats:
         if self._stats is None:
-            with _gc_paused():
+            with gc_paused():
                 self._stats = compute_stats(self)
         return self._stats
 
@@ -137,19 +140,19 @@ def plan(src: Layout | Mapping[str, Layout], dst: Layout | Mapping[str, Layout],
     destination dtype); otherwise a dtype mismatch is an error.
     """
     if isinstance(src, Layout) and isinstance(dst, Layout):
-        src, dst = {"tensor": src}, {"tensor": dst}
+        src, dst = {SINGLE_NAME: src}, {SINGLE_NAME: dst}
     elif isinstance(src, Layout) or isinstance(dst, Layout):
         raise PlanError("expected two Layouts or two name -> Layout mappings, got one of each")
     elif not isinstance(src, Mapping) or not isinstance(dst, Mapping):
         raise PlanError(f"expected two Layouts or two name -> Layout mappings, got "
                         f"{type(src).__name__} and {type(dst).__name__}")
     _check_names(src, dst)
-    with _gc_paused():
+    with gc_paused():
         return _plan_all(src, dst, allow_cast)
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Planning allocates many small tuples and no reference cycles; the cyclic collector
     would repeatedly traverse everything alive (all the layouts and their views), which
     costs more than the planning itself for large models."""

@@ -1,0 +1,16 @@
+"""The few constants every layer agrees on, defined once (no torch here)."""
+
+from __future__ import annotations
+
+__all__ = ["CHECKSUMS", "DEFAULT_BUDGET_BYTES", "METHODS"]
+
+#: The ways to carry out a plan: ``reshard`` (domain-aware: each byte crosses the network
+#: once per fast domain), ``p2p`` (the plan's transfers sent directly) and
+#: ``gather_broadcast`` (the conventional path the others are measured against).
+METHODS = ("reshard", "p2p", "gather_broadcast")
+
+#: The staging memory one rank uses per round, unless told otherwise.
+DEFAULT_BUDGET_BYTES = 256 << 20
+
+#: Message digests the executor can check (``checksum="sum"`` or ``"crc32"``).
+CHECKSUMS = ("sum", "crc32")

@@ -1,0 +1,90 @@
+"""The inference side of a refit: :class:`RefitReceiver` (see :mod:`reshard.refit.side`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+
+import torch
+
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.errors import ConfigError
+from reshard.layout import Layout
+from reshard.refit.rendezvous import meet
+from reshard.refit.side import RefitStats, Side
+
+__all__ = ["RefitReceiver"]
+
+
+class RefitReceiver(Side):
+    """The inference side. ``targets``: name -> local tensor to write (views into fused
+    parameters are fine); ``layouts``: name -> Layout over the inference ranks."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], *,
+                 host: str, port: int, rank: int, trainer_size: int, inference_size: int,
+                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
+                 progress: bool | Callable[[int, int], None] = False,
+                 refit_timeout: timedelta | None = None,
+                 connect_timeout: timedelta | None = None,
+                 checksum: bool | str = False) -> None:
+        """The timeouts and ``checksum`` are as for :class:`RefitSender`."""
+        if staging not in ("shadow", "none"):
+            raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
+        self.targets, self.staging = dict(targets), staging
+        meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
+                         inference_size=inference_size, layouts=layouts, backend=backend,
+                         timeout=connect_timeout or timeout)
+        super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
+                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
+                         meet_args=meet_args)
+        # a clone, not empty: regions no layout covers (vocabulary padding) must keep their
+        # live values when the shadow is copied over
+        self.shadow = ({n: t.detach().clone() for n, t in self.targets.items()}
+                       if staging == "shadow" else self.targets)
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Extra memory the never-torn guarantee costs on this rank."""
+        if self.staging == "none":
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.shadow.values())
+
+    def refit(self) -> RefitStats:
+        """Receive the next weight version; on success it is live and ``version`` is set."""
+        stats = self._move({}, self.shadow, None)
+        if self.staging == "shadow":
+            with torch.no_grad():
+                for name, live in self.targets.items():
+                    live.copy_(self.shadow[name])
+        self.version = stats.version
+        return stats
+
+    def reconnect(self, host: str, port: int, *, rank: int | None = None,
+                  inference_size: int | None = None, timeout: timedelta | None = None,
+                  targets: Mapping[str, torch.Tensor] | None = None,
+                  layouts: Mapping[str, Layout] | None = None) -> None:
+        """Meet the trainer again at ``host:port`` after a lost worker (see
+        :meth:`RefitSender.reconnect`); the live weights and ``version`` are kept. A
+        version whose commit this rank never heard of (the group broke during the final
+        collective) is made live here if another rank committed it. ``rank``,
+        ``targets`` and ``layouts`` change this rank's place (a resized inference side)."""
+        if layouts is not None:
+            self._meet_args["layouts"] = layouts
+        self._remeet(host, port, rank=rank, trainer_size=None, inference_size=inference_size,
+                     timeout=timeout)
+        if targets is not None:
+            self.targets = dict(targets)
+        if self.staging == "shadow":  # fresh memory: nothing of the old group can write it
+            self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
+
+    def _in_doubt(self, version: int) -> None:
+        if self.staging == "shadow":
+            self.pending = version
+
+    def _reconciled(self, committed: int) -> None:
+        if self.pending is not None and committed >= self.pending > self.version:
+            with torch.no_grad():
+                for name, live in self.targets.items():
+                    live.copy_(self.shadow[name])
+            self.version = self.pending

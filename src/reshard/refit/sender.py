@@ -1,0 +1,59 @@
+"""The trainer side of a refit: :class:`RefitSender` (see :mod:`reshard.refit.side`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.layout import Layout
+from reshard.refit.rendezvous import meet
+from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors
+
+__all__ = ["RefitSender"]
+
+
+class RefitSender(Side):
+    """The trainer side. ``params``: name -> DTensor (or local tensor with ``layouts``)."""
+
+    def __init__(self, params: Mapping[str, Any], *, host: str, port: int, rank: int,
+                 trainer_size: int, inference_size: int,
+                 layouts: Mapping[str, Layout] | None = None,
+                 policy: Mapping[str, str] | None = None,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES, backend: str = "gloo",
+                 timeout: timedelta = timedelta(seconds=120),
+                 progress: bool | Callable[[int, int], None] = False,
+                 refit_timeout: timedelta | None = None,
+                 connect_timeout: timedelta | None = None,
+                 checksum: bool | str = False) -> None:
+        """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
+        bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
+        ends by one deadline); ``checksum`` (``True``/``"sum"`` or ``"crc32"``) checks
+        every message, on both sides alike."""
+        self.params = params
+        if layouts is None:
+            _, layouts = layouts_of(params)
+        meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
+                         inference_size=inference_size, layouts=layouts, backend=backend,
+                         timeout=connect_timeout or timeout)
+        super().__init__(meet(host, port, **meet_args), policy=policy, budget_bytes=budget_bytes,
+                         progress=progress, refit_timeout=refit_timeout, checksum=checksum,
+                         meet_args=meet_args)
+        self.explicit_layouts = layouts is not None
+
+    def refit(self, version: int) -> RefitStats:
+        """Send the current parameters as weight version ``version`` (must increase)."""
+        src = local_tensors(self.params)
+        stats = self._move(src, {}, version)
+        self.version = stats.version
+        return stats
+
+    def reconnect(self, host: str, port: int, *, inference_size: int | None = None,
+                  timeout: timedelta | None = None) -> None:
+        """Meet the inference side again at ``host:port`` (a new address: the old group
+        is dropped) after a lost worker; the plan is rebuilt for ``inference_size`` (the
+        same as before by default). Collective with every receiver's :meth:`reconnect`
+        or a fresh :class:`RefitReceiver`. ``timeout`` bounds the meeting."""
+        self._remeet(host, port, rank=None, trainer_size=None, inference_size=inference_size,
+                     timeout=timeout)
