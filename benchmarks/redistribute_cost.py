@@ -8,7 +8,9 @@ every repeat, so load from the rest of the machine hits all alike):
   ``check=True``: one agreement collective, then the transfer);
 * ``executor, check=False``: the transfer alone;
 * ``redistribute, out=``: the one-call collective, repeated, writing into given DTensors;
-* ``redistribute``: the same, returning new DTensors (allocating their local tensors).
+* ``executor, new outputs``: the kept executor into freshly allocated tensors each call;
+* ``redistribute``: the one-call collective returning new DTensors (allocating their
+  local tensors, as ``DTensor.redistribute`` does): compare it with the line above.
 
 Every destination is verified bit for bit first. A call ends when its slowest rank ends;
 the figure is the median over repeats.
@@ -33,7 +35,8 @@ from reshard.tools.launch import run_processes
 from reshard.tools.report import parse_bytes, print_table
 from reshard.tools.synthetic import fill_local, matches
 
-WAYS = ("executor", "executor, check=False", "redistribute, out=", "redistribute")
+WAYS = ("executor", "executor, check=False", "redistribute, out=", "executor, new outputs",
+        "redistribute")
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
@@ -52,6 +55,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
         "executor, check=False": lambda: executor.run(src, dst, check=False),
         "redistribute, out=": lambda: redistribute(sources, out=outs,
                                                    budget_bytes=cfg.budget_bytes),
+        "executor, new outputs": lambda: executor.run(src, _fresh(dst)),
         "redistribute": lambda: redistribute(sources, meshes, placements,
                                              budget_bytes=cfg.budget_bytes),
     }
@@ -61,6 +65,10 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
         got = fn()
         held = ({n: d.to_local() for n, d in got.items()} if name == "redistribute"
                 else dst)
+        if name == "executor, new outputs":
+            fresh = _fresh(dst)
+            executor.run(src, fresh)
+            held = fresh
         ok[name] = all(matches(t.dst, rank, held[t.name]) for t in plan.tensors
                        if rank in t.dst.rank_set)
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -72,6 +80,10 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
             fn()
             times[name].append(time.perf_counter() - t0)
     return {"times": times, "ok": ok}
+
+
+def _fresh(dst: dict) -> dict:
+    return {n: torch.empty_like(t) for n, t in dst.items()}
 
 
 def main() -> None:
