@@ -30,7 +30,7 @@ def digest(buf: torch.Tensor, kind: str = "sum") -> int:
     n = data.numel()
     head = n - n % 8
     body = data[:head]
-    if head and body.storage_offset() % 8:  # an int64 view needs an 8-byte aligned start
+    if body.storage_offset() % 8:  # an int64 view needs an 8-byte aligned start (even empty)
         body = body.clone()
     words = body.view(torch.int64)
     m = head // 8 // 512 * 512
