@@ -87,6 +87,16 @@ class Engines:
             self.kind = kind
         return self.llm, self.dirs[kind]
 
+    def fresh(self, model_dir: Path):
+        """A plain engine of the same kind (no reshard) loaded from ``model_dir``; the
+        engine in use is closed first, and the next ``get`` starts its own again."""
+        self.close()
+        self.llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
+                       enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=8,
+                       seed=0)
+        self.kind = "fresh"
+        return self.llm
+
     def close(self) -> None:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
@@ -141,7 +151,8 @@ def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
 
 
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
-               fail_at: int = -1, path: str = "extension") -> tuple[list, list]:
+               fail_at: int = -1, path: str = "extension",
+               staging: str = "shadow") -> tuple[list, list]:
     """Trainer job vs the engine; per step: refit outcome, generation, checks input."""
     llm, model_dir = engines.get(kind)
     ref_model = hf.load_model(model_dir, torch.float32).eval()
@@ -154,10 +165,10 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                                 "--fail-at", str(fail_at)], stdout=so, stderr=se)
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
-                    "hf_tensors": shapes}
+                    "hf_tensors": shapes, "staging": staging}
             if path == "extension":
                 infos = collective(llm, "reshard_init", "127.0.0.1", port, 2,
-                                   hf_tensors=shapes)
+                                   hf_tensors=shapes, staging=staging)
             else:
                 llm.init_weight_transfer_engine({"init_info": init})
                 infos = collective(llm, "reshard_info")
@@ -177,12 +188,15 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                     assert llm.get_weight_version() == str(collective(llm, "reshard_version")[0])
                 tokens, lps = generate(llm)
                 versions = collective(llm, "reshard_version")
+                status = collective(llm, "reshard_status")
+                info = collective(llm, "reshard_info")
                 state = torch.load(out / f"step{step}.pt")  # saved before the refit began
                 verify = collective(llm, "reshard_verify", str(out / f"step{step}.pt"))
                 previous = (collective(llm, "reshard_verify", str(out / f"step{step - 1}.pt"))
                             if not res[0]["ok"] and step > 1 else None)
                 dump = collective(llm, "reshard_dump", [QKV0]) if res[0]["ok"] else None
                 records.append({"res": res, "tokens": tokens, "lps": lps, "versions": versions,
+                                "status": status, "info": info,
                                 "verify": verify, "verify_previous": previous, "dump": dump,
                                 "state": {k: v for k, v in state.items() if "layers.0.self_attn"
                                           in k}, "hf": hf_reference(ref_model, state)})
@@ -209,7 +223,40 @@ def check_fused_qkv(rec: dict) -> None:
         assert torch.equal(torch.tensor(dump[QKV0], dtype=torch.float32), torch.cat([q, k, v]))
 
 
+def in_place_received(cfg, rank: int, itemsize: int = 4) -> int:
+    """What TP rank ``rank`` receives into the parameters vLLM keeps as loaded on CPU
+    (written in place): its real rows of ``embed_tokens`` and every norm."""
+    per = -(-cfg.vocab_size // 64) * 64 // TP
+    real = max(0, min(per, cfg.vocab_size - rank * per))
+    h, hd = cfg.hidden_size, cfg.head_dim
+    return (real * h + cfg.num_hidden_layers * (2 * h + 2 * hd) + h) * itemsize
+
+
+def check_memory(rec: dict, cfg) -> None:
+    """Where each parameter is written, and what the refit costs beyond the weights:
+    the parameters vLLM keeps as loaded are written in place with no logical buffer;
+    the buffers hold exactly the repacked or padded ones (linear GEMMs including the
+    LM head, MoE experts); the shadow covers only what is written in place."""
+    for rank, info in enumerate(rec["info"]):
+        live, buffered = set(info["in_place"]), set(info["buffered"])
+        assert "model.embed_tokens.weight" in live and "model.norm.weight" in live
+        assert {n for n in live | buffered if n.endswith("norm.weight")} <= live
+        assert "lm_head.weight" in buffered and QKV0 in buffered and not live & buffered
+        per = -(-cfg.vocab_size // 64) * 64 // TP
+        pad = (per - max(0, min(per, cfg.vocab_size - rank * per))) * cfg.hidden_size * 4
+        received, direct = info["expected_bytes"], in_place_received(cfg, rank)
+        assert info["buffer_bytes"] == received - direct + pad  # lm_head's padding rows
+        # the shadow clones the in-place targets whole: embed_tokens' padding rows too
+        shadow = direct + pad if info["staging"] == "shadow" else 0
+        assert info["shadow_bytes"] == shadow
+        # with a shadow: the rank's extra memory is what it receives plus the padding
+        # rows of the vocabulary; without: the repacked parameters' buffers only
+        assert info["extra_bytes"] == received - direct + pad + shadow
+
+
 def check_good_refit(rec: dict, step: int) -> None:
+    assert [s["version"] for s in rec["status"]] == [step] * TP
+    assert not any(s["stale"] for s in rec["status"])
     for rank, res in enumerate(rec["res"]):
         assert res["ok"] and res["committed"], res
         assert res["version"] == step
@@ -228,8 +275,10 @@ def check_good_refit(rec: dict, step: int) -> None:
 
 def test_fsdp2_trainer_refits_vllm_tp2(engines, tmp_path):
     records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp")
+    cfg = hf.load_model(engines.dirs["qwen3"], torch.float32).config
     for step, rec in enumerate(records, 1):
         check_good_refit(rec, step)
+        check_memory(rec, cfg)
     # the weights moved: every step generates something new
     assert len({json.dumps(r["tokens"]) for r in records}) == len(records)
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
@@ -254,16 +303,50 @@ def test_interrupted_refit_keeps_previous_version(engines, tmp_path):
         assert not res["ok"] and res["version"] == 1 and "committed" not in res
         assert "injected failure" in res["error"] or "aborted" in res["error"]
     assert failed["versions"] == [1, 1]
+    assert not any(s["stale"] for s in failed["status"])  # the shadow kept it whole
     assert failed["tokens"] == records[0]["tokens"]  # exactly the previous version
     assert failed["lps"] == records[0]["lps"]
     assert failed["tokens"] != failed["hf"][0]  # and not the step-2 weights
-    for v in failed["verify"]:  # checked against step 2's state: nothing of it landed
-        assert len(v["mismatched"]) == v["checked"]
-    for v in failed["verify_previous"]:  # step 1's weights, bit for bit, on every rank
-        assert v["mismatched"] == [] and v["live_mismatched"] == [], v
+    # the live in-place weights: step 1's, bit for bit, nothing of step 2 (the logical
+    # buffers of repacked parameters are the transfer's staging: they may hold part of
+    # step 2, which never reached the live model, as the tokens above show)
+    for v, info in zip(failed["verify"], failed["info"]):
+        assert set(info["in_place"]) <= set(v["mismatched"])
+    for v, info in zip(failed["verify_previous"], failed["info"]):
+        assert not set(info["in_place"]) & set(v["mismatched"]), v
     check_good_refit(records[2], 3)
     for rank_log in trainer:
         assert [e["ok"] for e in rank_log] == [True, False, True]
+
+
+def fresh_engine_answers(engines, model_dir: Path, state_path: Path, tmp_path: Path):
+    """Tokens and prompt logprobs of a fresh engine loaded from the trainer's checkpoint
+    (its full state dict of that step, saved as a Hugging Face model in float32)."""
+    model = hf.load_model(model_dir, torch.float32)
+    model.load_state_dict(torch.load(state_path))
+    model.config.dtype = torch.float32
+    model.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
+    return generate(engines.fresh(tmp_path / "checkpoint"))
+
+
+def test_staging_none_failed_refit_is_stale_until_the_next(engines, tmp_path):
+    """``staging="none"``: no shadow, so a refit broken midway may leave the in-place
+    weights torn: every rank reports itself stale at the previous version until the next
+    refit lands; then the engine answers exactly, bit for bit, as a fresh engine loaded
+    from the trainer's checkpoint of that step."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp", fail_at=2,
+                                  staging="none")
+    check_good_refit(records[0], 1)
+    failed = records[1]
+    assert [s["stale"] for s in failed["status"]] == [True] * TP
+    assert failed["versions"] == [1, 1] and all(not r["ok"] for r in failed["res"])
+    check_good_refit(records[2], 3)
+    cfg = hf.load_model(engines.dirs["qwen3"], torch.float32).config
+    for rec in records:
+        check_memory(rec, cfg)
+    fresh = fresh_engine_answers(engines, engines.dirs["qwen3"], tmp_path / "out" / "step3.pt",
+                                 tmp_path)
+    assert (records[2]["tokens"], records[2]["lps"]) == fresh  # exactly, not approximately
 
 
 def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
@@ -271,6 +354,9 @@ def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
     [E, H, I], FSDP2-sharded over experts) land in vLLM's w13 [E, 2I/TP, H] and w2
     [E, H, I/TP] of each rank, which receives only its half of every expert."""
     records, trainer = run_refits(engines, tmp_path, "qwen3_moe", "fsdp")
+    cfg = hf.load_model(engines.dirs["qwen3_moe"], torch.float32).config
     for step, rec in enumerate(records, 1):
         check_good_refit(rec, step)
+        check_memory(rec, cfg)
+        assert all(any("experts" in n for n in i["buffered"]) for i in rec["info"])
     assert all(e["ok"] for rank_log in trainer for e in rank_log)

@@ -35,29 +35,47 @@ exception back in the caller.
 How a refit lands on one rank:
 
 1. At init, vLLM's per-rank *logical* (checkpoint-format) parameter shapes are read from
-   the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``). On CPU the
-   live linear weights are repacked after loading (the live parameters are empty), so
-   the logical form is the only sharded form there is.
-   :func:`reshard.integrations.vllm_mapping.hf_to_vllm` maps every Hugging Face
-   tensor to a slot of a logical tensor and a layout; the rank allocates one logical
-   buffer per vLLM parameter, and the receiver's targets are views
-   into those buffers (q/k/v rows of ``qkv_proj``, an expert's rows of ``w13``, ...).
-2. ``RefitReceiver.refit()`` writes into the buffers (through its own shadow when
-   ``staging="shadow"``) and returns only once every rank of both jobs has its part.
-3. Commit, through vLLM's layerwise reload: ``initialize_layerwise_reload`` puts each
-   layer back in checkpoint format (on the meta device); each logical buffer is copied
-   whole into its parameter through the layer's deferred loader; when a layer is
-   complete vLLM materializes it, reruns ``process_weights_after_loading`` (CPU GEMM
-   packing, MoE pad + prepack) and copies the result into the original kernel tensors;
-   ``finalize_layerwise_reload`` finishes. CPU MoE work-around: vLLM 0.32 reruns the CPU
-   experts' pad + prepack only on a first load (``quant_method.moe_kernel is None``), so
-   that attribute is reset before every commit.
+   the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``), and
+   :func:`reshard.integrations.vllm_mapping.hf_to_vllm` maps every Hugging Face tensor
+   to a slot of a logical tensor and a layout. Then, per parameter, the cheapest way in
+   (:func:`kept_live`, from what vLLM holds now; ``reshard_info`` lists both kinds):
 
-Never torn: nothing reaches the live model before ``RefitReceiver.refit()`` returned on
-every rank; a refit that fails (a trainer rank raising, a peer lost) leaves the live
-model, the logical buffers (with ``staging="shadow"``) and the version as they were.
-With ``staging="none"`` the receiver writes straight into the logical buffers: the live
-model is still never torn, the buffers may be until the next successful refit.
+   * **in place**: where the live parameter *is* its logical tensor and its module
+     reads it as loaded (norms, embeddings; on GPUs unquantized weights generally), the
+     receiver's targets are views into the live parameter itself; no buffer exists;
+   * **logical buffer**: where vLLM repacks or pads after loading (CPU GEMM packing of
+     linear layers and the LM head, MoE experts padded and prepacked), one logical
+     buffer per parameter, committed through vLLM's layerwise reload.
+2. ``RefitReceiver.refit()`` writes the buffers directly (they are the staging of what
+   they hold: nothing reaches the live model before the commit) and the in-place
+   targets through a shadow of just those targets with ``staging="shadow"``, straight
+   into the live weights with ``staging="none"``; it returns only once every rank of
+   both jobs has its part, and then copies the shadow over the live weights.
+3. Commit of the buffered parameters, through vLLM's layerwise reload:
+   ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
+   meta device); each logical buffer is copied whole into its parameter through the
+   layer's deferred loader; when a layer is complete vLLM materializes it, reruns
+   ``process_weights_after_loading`` (CPU GEMM packing, MoE pad + prepack) and copies
+   the result into the original kernel tensors; layers written in place are put back as
+   they are; ``finalize_layerwise_reload`` finishes. CPU MoE work-around: vLLM 0.32
+   reruns the CPU experts' pad + prepack only on a first load (``quant_method.moe_kernel
+   is None``), so that attribute is reset before every commit.
+
+Memory per rank beyond the weights: the buffers of repacked parameters, plus with
+``staging="shadow"`` a copy of what is written in place -- together what the rank
+receives (plus vocabulary padding rows), the transfer's staging arena (its budget), and
+during a commit one reloaded layer at a time. ``reshard_info`` gives each figure;
+``benchmarks/engine_memory.py`` measures them against resident memory.
+
+Never torn with ``staging="shadow"``: nothing reaches the live model before
+``RefitReceiver.refit()`` returned on every rank; a refit that fails (a trainer rank
+raising, a peer lost) leaves the live model and the version as they were (the buffers,
+being staging, may hold part of the failed version; the next refit rewrites them
+whole). With ``staging="none"`` a failed refit may leave the in-place weights torn:
+every rank then reports itself ``stale`` (``reshard_status``, ``reshard_last``) at the
+previous version until a complete refit lands. vLLM 0.32 offers no clean way for a
+worker to refuse generation (an exception in the model's forward kills the engine
+core), so a stale engine still serves: the caller must check ``reshard_status``.
 
 Checks (tests, demo): ``reshard_verify(path)`` compares this rank's logical tensors with
 what vLLM's own ``model.load_weights`` makes of the full state dict saved at ``path`` (a
@@ -125,11 +143,16 @@ class _QuietLayers(logging.Filter):
     hold no parameters (RotaryEmbedding's cos/sin cache buffer): a refit carries
     weights only, and every parameter it covers is checked at init."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kept: set[str] = frozenset()) -> None:
         super().__init__()
         with_params = {type(m).__name__ for m in model.modules()
                        if any(True for _ in m.parameters(recurse=False))}
-        self.names = {type(m).__name__ for m in model.modules()} - with_params
+        # layers whose parameters a refit writes in place take no part in the reload
+        owners = {n.rpartition(".")[0] for n in kept}
+        live = {type(m).__name__ for n, m in model.named_modules() if n in owners}
+        live -= {type(m).__name__ for n, m in model.named_modules()
+                 if n not in owners and any(True for _ in m.parameters(recurse=False))}
+        self.names = ({type(m).__name__ for m in model.modules()} - with_params) | live
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not ("Failed to load weights" in str(record.msg) and record.args
@@ -137,9 +160,9 @@ class _QuietLayers(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet(model: torch.nn.Module) -> Any:
+def _quiet(model: torch.nn.Module, kept: set[str] = frozenset()) -> Any:
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    f = _QuietLayers(model)
+    f = _QuietLayers(model, kept)
     logger.addFilter(f)
     try:
         yield
@@ -175,8 +198,86 @@ def _restore_loaders(saved: Sequence[tuple[torch.Tensor, dict]]) -> None:
                 del p.__dict__[k]
 
 
+#: Modules whose forward reads the parameter as loaded even though they carry a
+#: ``quant_method`` (an embedding lookup reads ``weight``; on CPU the method also packs a
+#: GEMM copy of it, which only a tied LM head would use: see :func:`kept_live`).
+_READS_WEIGHT_AS_LOADED = ("VocabParallelEmbedding",)
+
+
+def kept_live(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
+                                                                torch.dtype]]) -> set[str]:
+    """The vLLM parameters a refit writes in place: those whose live tensor is their
+    checkpoint (logical) form and whose module reads them as they are, decided from what
+    vLLM holds now. A module is kept live whole or not at all (vLLM reloads layer by
+    layer): norms, embeddings, Mamba ``A`` / ``D`` / ``dt_bias``; not linear layers that
+    vLLM repacks (CPU GEMMs), MoE experts it pads, or a weight tied to an LM head."""
+    shared = _shared_params(model)
+    by_module: dict[str, list[str]] = {}
+    for name, (mname, _, _, _) in where.items():
+        by_module.setdefault(mname, []).append(name)
+    live: set[str] = set()
+    for mname, names in by_module.items():
+        module = model.get_submodule(mname) if mname else model
+        if _reads_as_loaded(module) and all(
+                _holds_logical(getattr(module, where[n][1]), where[n]) and
+                id(getattr(module, where[n][1])) not in shared for n in names):
+            live.update(names)
+    return live
+
+
+def _reads_as_loaded(module: torch.nn.Module) -> bool:
+    kind = type(module).__name__
+    return getattr(module, "quant_method", None) is None or kind in _READS_WEIGHT_AS_LOADED
+
+
+def _holds_logical(live: Any, entry: tuple[str, str, tuple[int, ...], torch.dtype]) -> bool:
+    return (isinstance(live, torch.Tensor) and not live.is_meta
+            and tuple(live.shape) == entry[2] and live.dtype == entry[3])
+
+
+def _shared_params(model: torch.nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied embeddings)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def _rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _return_freed_memory() -> None:
+    """Give the heap memory freed by a commit back to the system (glibc ``malloc_trim``):
+    each reloaded layer's repacked copy replaces the old one, and glibc keeps the freed
+    chunks resident otherwise. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+def _reset_peak_rss() -> bool:
+    """Start ``VmHWM`` again from the current resident memory (Linux ``clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class ReshardState:
-    """One vLLM rank's side of the refit: mapping, logical buffers, receiver, commit."""
+    """One vLLM rank's side of the refit: mapping, where each parameter is written,
+    logical buffers for the repacked ones, receiver, commit."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
                  inference_size: int, host: str, port: int, trainer_size: int,
@@ -203,15 +304,29 @@ class ReshardState:
         odd = [n for n in self.mapping.param_shapes if self.where[n][3] != dtype]
         if odd:
             raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
-        self.buffers = self.mapping.allocate(rank)
+        self.measured_peak = _reset_peak_rss()
+        self.rss_at_init = _rss_bytes()
+        self.live_names = kept_live(model, {n: self.where[n] for n in self.mapping.param_shapes})
+        self.live = {n: self._param(n).data for n in sorted(self.live_names)}
+        self.buffers = {n: b for n, b in self.mapping.allocate(rank).items()
+                        if n not in self.live_names}
         self.expected_bytes = self.mapping.shard_bytes(rank)
+        slots = self.mapping.slots(rank)
         self.receiver = RefitReceiver(
-            self.mapping.targets(rank, self.buffers), self.mapping.layouts, host=host,
-            port=port, rank=rank, trainer_size=trainer_size, inference_size=inference_size,
-            staging=staging, budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+            self.mapping.targets(rank, {**self.buffers, **self.live}), self.mapping.layouts,
+            host=host, port=port, rank=rank, trainer_size=trainer_size,
+            inference_size=inference_size, staging=staging, budget_bytes=budget_bytes,
+            timeout=timedelta(seconds=timeout_s),
+            direct=[h for h, s in slots.items() if s.param in self.buffers])
+        self.staging = staging
+        self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
         self._version = 0
         self.created = time.monotonic()
+
+    def _param(self, name: str) -> torch.Tensor:
+        mname, attr, _, _ = self.where[name]
+        return getattr(self.model.get_submodule(mname) if mname else self.model, attr)
 
     @property
     def version(self) -> int:
@@ -219,28 +334,57 @@ class ReshardState:
         return self._version
 
     def info(self) -> dict[str, Any]:
-        """Sizes: HF tensors, vLLM parameters, bytes a refit brings, staging memory."""
-        return {"rank": self.rank, "version": self.version, "tensors": len(self.mapping.tensors),
+        """Sizes: HF tensors, vLLM parameters (written in place or through a logical
+        buffer), bytes a refit brings, the memory it costs beyond the weights."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        buffer_bytes, shadow_bytes = nbytes(self.buffers.values()), self.receiver.shadow_bytes
+        return {"rank": self.rank, "version": self.version, "stale": self.stale,
+                "staging": self.staging, "tensors": len(self.mapping.tensors),
                 "params": len(self.mapping.param_shapes),
-                "expected_bytes": self.expected_bytes,
-                "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers.values()),
-                "shadow_bytes": self.receiver.shadow_bytes}
+                "in_place": sorted(self.live_names), "buffered": sorted(self.buffers),
+                "weight_bytes": nbytes(self.live.values()) + nbytes(self.buffers.values()),
+                "in_place_bytes": nbytes(self.live.values()),
+                "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
+                "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
+                "commit_layer_bytes": self._largest_reloaded_layer(),
+                "rss_extra": _rss_bytes() - self.rss_at_init}
+
+    def _largest_reloaded_layer(self) -> int:
+        """Logical bytes of the largest layer a commit reloads (vLLM's layerwise reload
+        materializes one layer at a time; measured on vLLM 0.32 CPU, it also keeps
+        every old repacked kernel until the reload finishes: a commit's transient is
+        about the buffers' bytes plus this, see ``benchmarks/engine_memory.py``)."""
+        per_module: dict[str, int] = {}
+        for name, buf in self.buffers.items():
+            module = self.where[name][0]
+            per_module[module] = per_module.get(module, 0) + buf.numel() * buf.element_size()
+        return max(per_module.values(), default=0)
+
+    def status(self) -> dict[str, Any]:
+        """The live version and whether the weights may be torn (``stale``: a refit with
+        ``staging="none"`` failed midway; the next complete refit clears it)."""
+        return {"rank": self.rank, "version": self.version, "stale": self.stale}
 
     def receive(self) -> dict[str, Any]:
         """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
         committed, ``last`` says why)."""
         t0 = time.perf_counter()
+        self.measured_peak = _reset_peak_rss()  # this refit's own peak
         try:
             stats = self.receiver.refit()
         except Exception as e:
+            # with staging="none" the live in-place weights may hold part of the new version
+            self.stale = self.stale or (self.staging == "none" and bool(self.live))
             self.last = {"ok": False, "rank": self.rank, "version": self.version,
-                         "error": f"{type(e).__name__}: {e}",
+                         "stale": self.stale, "error": f"{type(e).__name__}: {e}",
                          "seconds": time.perf_counter() - t0}
             raise
         self.last = {"ok": True, "rank": self.rank, "version": stats.version,
                      "receive_seconds": stats.seconds, "bytes_received": stats.bytes_received,
                      "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
-                     "expected_bytes": self.expected_bytes, "committed": False}
+                     "expected_bytes": self.expected_bytes, "committed": False,
+                     "staging_bytes": stats.peak_staging_bytes,
+                     "peak_rss_extra_receive": self._peak_extra()}
         return self.last
 
     @torch.no_grad()
@@ -251,8 +395,10 @@ class ReshardState:
 
         t0 = time.perf_counter()
         model = self.model
+        if not self.buffers:  # every parameter was written in place
+            return self._committed(t0)
         saved = _snapshot_loaders(model.parameters())
-        with set_current_vllm_config(self.vllm_config), _quiet(model):
+        with set_current_vllm_config(self.vllm_config), _quiet(model, self.live_names):
             _reset_moe_kernels(model)
             lw.initialize_layerwise_reload(model)
             try:
@@ -269,10 +415,20 @@ class ReshardState:
             finally:
                 lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
                 _restore_loaders(saved)
+        return self._committed(t0)
+
+    def _committed(self, t0: float) -> float:
+        _return_freed_memory()
         seconds = time.perf_counter() - t0
-        self._version = self.receiver.version
-        self.last.update(committed=True, commit_seconds=seconds)
+        self._version, self.stale = self.receiver.version, False
+        self.last.update(committed=True, commit_seconds=seconds, stale=False,
+                         peak_rss_extra=self._peak_extra(),
+                         rss_extra=_rss_bytes() - self.rss_at_init)
         return seconds
+
+    def _peak_extra(self) -> int | None:
+        """Peak resident memory since the refit state began, beyond what it was then."""
+        return _rss_bytes("VmHWM") - self.rss_at_init if self.measured_peak else None
 
     def refit(self) -> dict[str, Any]:
         """Receive, then commit: {ok, version, seconds, bytes_received, expected_bytes,
@@ -339,7 +495,7 @@ class ReshardState:
         """Compare the logical buffers of the last refit with :meth:`vllm_reference` of
         ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
         ref = self.vllm_reference(state_dict)
-        mismatched = [n for n, b in self.buffers.items()
+        mismatched = [n for n, b in {**self.buffers, **self.live}.items()
                       if n not in ref or not torch.equal(ref[n], b)]
         live = dict(self.model.named_parameters())
         # packed linears are empty on CPU (shape differs); MoE experts are reordered in
@@ -350,7 +506,8 @@ class ReshardState:
                         and tuple(live[n].shape) == tuple(b.shape)]
         live_mismatched = [n for n in live_checked if not torch.equal(live[n].data,
                                                                       self.buffers[n])]
-        return {"rank": self.rank, "checked": len(self.buffers), "mismatched": mismatched,
+        return {"rank": self.rank, "checked": len(self.buffers) + len(self.live),
+                "in_place_checked": len(self.live), "mismatched": mismatched,
                 "live_checked": len(live_checked), "live_mismatched": live_mismatched}
 
     def close(self) -> None:
@@ -428,6 +585,12 @@ class ReshardWorkerExtension:
     @_reported
     def reshard_version(self) -> int:
         return self._reshard_state().version
+
+    @_reported
+    def reshard_status(self) -> dict[str, Any]:
+        """{rank, version, stale}: ``stale`` while the live weights may be torn (a refit
+        with ``staging="none"`` failed midway), until a complete refit lands."""
+        return self._reshard_state().status()
 
     @_reported
     def reshard_info(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 
 import torch
@@ -27,36 +27,55 @@ class RefitReceiver(Side):
                  progress: bool | Callable[[int, int], None] = False,
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
-                 checksum: bool | str = False) -> None:
-        """The timeouts and ``checksum`` are as for :class:`RefitSender`."""
+                 checksum: bool | str = False,
+                 direct: Collection[str] = ()) -> None:
+        """The timeouts and ``checksum`` are as for :class:`RefitSender`. ``direct``:
+        names whose targets are not live memory but the caller's own staging (buffers it
+        commits itself once :meth:`refit` returned, as the vLLM integration's logical
+        buffers): written straight even with ``staging="shadow"``, never shadowed."""
         if staging not in ("shadow", "none"):
             raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
-        self.targets, self.staging = dict(targets), staging
+        unknown = sorted(set(direct) - set(targets))
+        if unknown:
+            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
+        self.targets, self.staging, self.direct = dict(targets), staging, frozenset(direct)
         meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
                          inference_size=inference_size, layouts=layouts, backend=backend,
                          timeout=connect_timeout or timeout)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)
-        # a clone, not empty: regions no layout covers (vocabulary padding) must keep their
-        # live values when the shadow is copied over
-        self.shadow = ({n: t.detach().clone() for n, t in self.targets.items()}
-                       if staging == "shadow" else self.targets)
+        self.shadow = self._new_shadow()
+
+    def _new_shadow(self) -> dict[str, torch.Tensor]:
+        """What the transfer writes: a clone of each live target with ``staging="shadow"``
+        (not empty: regions no layout covers, such as vocabulary padding, keep their live
+        values when it is copied over), the target itself otherwise."""
+        if self.staging == "none":
+            return self.targets
+        return {n: t if n in self.direct else t.detach().clone()
+                for n, t in self.targets.items()}
 
     @property
     def shadow_bytes(self) -> int:
         """Extra memory the never-torn guarantee costs on this rank."""
         if self.staging == "none":
             return 0
-        return sum(t.numel() * t.element_size() for t in self.shadow.values())
+        return sum(t.numel() * t.element_size() for n, t in self.shadow.items()
+                   if n not in self.direct)
 
-    def refit(self) -> RefitStats:
-        """Receive the next weight version; on success it is live and ``version`` is set."""
-        stats = self._move({}, self.shadow, None)
+    def _go_live(self) -> None:
         if self.staging == "shadow":
             with torch.no_grad():
                 for name, live in self.targets.items():
-                    live.copy_(self.shadow[name])
+                    if name not in self.direct:
+                        live.copy_(self.shadow[name])
+
+    def refit(self) -> RefitStats:
+        """Receive the next weight version; on success it is live (``direct`` targets:
+        written, for the caller to commit) and ``version`` is set."""
+        stats = self._move({}, self.shadow, None)
+        self._go_live()
         self.version = stats.version
         return stats
 
@@ -75,8 +94,7 @@ class RefitReceiver(Side):
                      timeout=timeout)
         if targets is not None:
             self.targets = dict(targets)
-        if self.staging == "shadow":  # fresh memory: nothing of the old group can write it
-            self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
+        self.shadow = self._new_shadow()  # fresh memory: nothing of the old group writes it
 
     def _in_doubt(self, version: int) -> None:
         if self.staging == "shadow":
@@ -84,7 +102,5 @@ class RefitReceiver(Side):
 
     def _reconciled(self, committed: int) -> None:
         if self.pending is not None and committed >= self.pending > self.version:
-            with torch.no_grad():
-                for name, live in self.targets.items():
-                    live.copy_(self.shadow[name])
+            self._go_live()
             self.version = self.pending

@@ -53,6 +53,8 @@ class RefitStats:
     bytes_sent: int
     bytes_received: int
     rounds: int
+    peak_staging_bytes: int = 0
+    """The transfer's staging memory on this rank (the largest of its executors')."""
 
 
 def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
@@ -189,13 +191,14 @@ class Side:
         deadline = self._deadline()
         version = self._check(src, dst, proposed, deadline)
         error: BaseException | None = None
-        sent = received = rounds = 0
+        sent = received = rounds = staging = 0
         for ex in self.executors:
             ex.deadline = deadline
             try:
                 s = ex.run(src, dst, check=False)
                 sent, received, rounds = (sent + s.bytes_sent, received + s.bytes_received,
                                           rounds + s.rounds)
+                staging = max(staging, s.peak_staging_bytes)
             except TransferError as e:
                 error = e
                 break
@@ -203,7 +206,7 @@ class Side:
         if broken:  # tell every peer now (their waits fail at once), then the commit fails
             self._break()
         self._commit(error, broken=broken, deadline=deadline, version=version)
-        return RefitStats(version, time.perf_counter() - t0, sent, received, rounds)
+        return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging)
 
     def _commit(self, error: BaseException | None, *, broken: bool = False,
                 deadline: float | None = None, version: int | None = None) -> None:
