@@ -78,8 +78,12 @@ class Engines:
         if kind != self.kind:
             self.close()
             if kind not in self.dirs:
-                extra = {"vocab_size": 500} if kind == "qwen3" else {}  # 500 -> padded 512
-                self.dirs[kind] = hf.build_tiny_model(self.root / kind, kind, **extra)
+                extra = ({"vocab_size": 500} if kind in ("qwen3", "qwen3_tied")
+                         else {})  # 500 -> padded 512
+                if kind == "qwen3_tied":  # the form of Qwen3-0.6B..4B, Qwen2.5-0.5B..3B
+                    extra["tie_word_embeddings"] = True
+                family = "qwen3" if kind == "qwen3_tied" else kind
+                self.dirs[kind] = hf.build_tiny_model(self.root / kind, family, **extra)
             self.llm = LLM(model=str(self.dirs[kind]), tensor_parallel_size=TP,
                            skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                            max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXT,
@@ -120,9 +124,16 @@ def generate(llm) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, lps
 
 
+def with_tied(model, state: dict) -> dict:
+    """The trainer sends a tied embedding once; transformers' state dict names it twice."""
+    if model.config.tie_word_embeddings:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
 @torch.no_grad()
 def hf_reference(model, state) -> tuple[list[list[int]], list[list[float]]]:
-    model.load_state_dict(state)
+    model.load_state_dict(with_tied(model, state))
     tokens = hf.greedy_tokens(model, PROMPTS, MAX_TOKENS)
     lps = []
     for p in PROMPTS:
@@ -139,7 +150,8 @@ def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
                       cfg.head_dim)
     per = -(-cfg.vocab_size // 64) * 64 // TP
     real = max(0, min(per, cfg.vocab_size - rank * per))
-    n = 2 * real * h + h  # embed_tokens + lm_head (untied), final norm
+    # embed_tokens + lm_head (one tensor when tied), final norm
+    n = (1 if cfg.tie_word_embeddings else 2) * real * h + h
     attn = (nh * hd * h + 2 * nkv * hd * h + h * nh * hd) // TP + 2 * hd
     experts = getattr(cfg, "num_experts", 0) or 0
     if experts:
@@ -166,9 +178,8 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
                     "hf_tensors": shapes, "staging": staging}
-            if path == "extension":
-                infos = collective(llm, "reshard_init", "127.0.0.1", port, 2,
-                                   hf_tensors=shapes, staging=staging)
+            if path == "extension":  # as the README says: the names come from the trainer
+                infos = collective(llm, "reshard_init", "127.0.0.1", port, 2, staging=staging)
             else:
                 llm.init_weight_transfer_engine({"init_info": init})
                 infos = collective(llm, "reshard_info")
@@ -225,9 +236,10 @@ def check_fused_qkv(rec: dict) -> None:
 
 def in_place_received(cfg, rank: int, itemsize: int = 4) -> int:
     """What TP rank ``rank`` receives into the parameters vLLM keeps as loaded on CPU
-    (written in place): its real rows of ``embed_tokens`` and every norm."""
+    (written in place): every norm, and its real rows of ``embed_tokens`` unless an LM
+    head shares that tensor (its GEMM is repacked: the embedding is then buffered)."""
     per = -(-cfg.vocab_size // 64) * 64 // TP
-    real = max(0, min(per, cfg.vocab_size - rank * per))
+    real = 0 if cfg.tie_word_embeddings else max(0, min(per, cfg.vocab_size - rank * per))
     h, hd = cfg.hidden_size, cfg.head_dim
     return (real * h + cfg.num_hidden_layers * (2 * h + 2 * hd) + h) * itemsize
 
@@ -239,15 +251,20 @@ def check_memory(rec: dict, cfg) -> None:
     LM head, MoE experts); the shadow covers only what is written in place."""
     for rank, info in enumerate(rec["info"]):
         live, buffered = set(info["in_place"]), set(info["buffered"])
-        assert "model.embed_tokens.weight" in live and "model.norm.weight" in live
+        tied = cfg.tie_word_embeddings
+        assert "model.norm.weight" in live and QKV0 in buffered and not live & buffered
         assert {n for n in live | buffered if n.endswith("norm.weight")} <= live
-        assert "lm_head.weight" in buffered and QKV0 in buffered and not live & buffered
+        if tied:  # one tensor, buffered: the LM head repacks it
+            assert "model.embed_tokens.weight" in buffered and "lm_head.weight" not in (
+                live | buffered)
+        else:
+            assert "model.embed_tokens.weight" in live and "lm_head.weight" in buffered
         per = -(-cfg.vocab_size // 64) * 64 // TP
         pad = (per - max(0, min(per, cfg.vocab_size - rank * per))) * cfg.hidden_size * 4
         received, direct = info["expected_bytes"], in_place_received(cfg, rank)
-        assert info["buffer_bytes"] == received - direct + pad  # lm_head's padding rows
+        assert info["buffer_bytes"] == received - direct + pad  # padding rows, buffered
         # the shadow clones the in-place targets whole: embed_tokens' padding rows too
-        shadow = direct + pad if info["staging"] == "shadow" else 0
+        shadow = direct + (0 if tied else pad) if info["staging"] == "shadow" else 0
         assert info["shadow_bytes"] == shadow
         # with a shadow: the rank's extra memory is what it receives plus the padding
         # rows of the vocabulary; without: the repacked parameters' buffers only
@@ -323,7 +340,7 @@ def fresh_engine_answers(engines, model_dir: Path, state_path: Path, tmp_path: P
     """Tokens and prompt logprobs of a fresh engine loaded from the trainer's checkpoint
     (its full state dict of that step, saved as a Hugging Face model in float32)."""
     model = hf.load_model(model_dir, torch.float32)
-    model.load_state_dict(torch.load(state_path))
+    model.load_state_dict(with_tied(model, torch.load(state_path)))
     model.config.dtype = torch.float32
     model.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
     return generate(engines.fresh(tmp_path / "checkpoint"))
@@ -347,6 +364,22 @@ def test_staging_none_failed_refit_is_stale_until_the_next(engines, tmp_path):
     fresh = fresh_engine_answers(engines, engines.dirs["qwen3"], tmp_path / "out" / "step3.pt",
                                  tmp_path)
     assert (records[2]["tokens"], records[2]["lps"]) == fresh  # exactly, not approximately
+
+
+def test_tied_embeddings_refit_and_match_a_fresh_engine(engines, tmp_path):
+    """A model with tied word embeddings (vLLM's LM head shares ``embed_tokens``): the
+    tensor is sent once, nothing is left unset, the LM head's own GEMM follows each
+    refit, and the engine answers bit for bit as a fresh engine of that step."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3_tied", "fsdp", steps=2)
+    cfg = hf.load_model(engines.dirs["qwen3_tied"], torch.float32).config
+    assert cfg.tie_word_embeddings
+    for step, rec in enumerate(records, 1):
+        check_good_refit(rec, step)
+        check_memory(rec, cfg)
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
+    fresh = fresh_engine_answers(engines, engines.dirs["qwen3_tied"],
+                                 tmp_path / "out" / "step2.pt", tmp_path)
+    assert (records[-1]["tokens"], records[-1]["lps"]) == fresh
 
 
 def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):

@@ -252,3 +252,19 @@ def test_mapping_module_imports_no_vllm_or_transformers() -> None:
     source = Path(reshard.integrations.vllm_mapping.__file__).read_text()
     for mod in ("vllm", "transformers"):
         assert f"import {mod}" not in source and f"from {mod}" not in source
+
+
+def test_unmapped_tensors_are_named_on_each_side():
+    """An architecture the rules do not know: the first trainer tensor no rule maps and
+    the first vLLM parameter no trainer tensor reaches, both named."""
+    from reshard.integrations.vllm_mapping import unmapped_sides
+
+    mapping = hf_to_vllm(QWEN3, 2)
+    names = {n: t.shape for n, t in mapping.tensors.items()}
+    names.pop("model.norm.weight")
+    names["model.layers.0.mlp.router_bias"] = (8,)
+    clause = unmapped_sides(QWEN3, 2, mapping.param_shapes, names)
+    assert "trainer tensors no rule maps: 1 (first: 'model.layers.0.mlp.router_bias')" in clause
+    assert "vLLM parameters no trainer tensor reaches: 1 (first: 'model.norm.weight')" in clause
+    assert unmapped_sides(QWEN3, 2, mapping.param_shapes,
+                          {n: t.shape for n, t in mapping.tensors.items()}) == ""

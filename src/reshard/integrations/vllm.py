@@ -100,11 +100,17 @@ import torch
 
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ReshardError
-from reshard.integrations.vllm_mapping import MappingError, VllmMapping, hf_to_vllm
+from reshard.integrations.vllm_mapping import (
+    MappingError,
+    VllmMapping,
+    hf_to_vllm,
+    unmapped_sides,
+)
 
 __all__ = [
     "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
-    "ReshardWorkerExtension", "collective", "logical_params", "register",
+    "ReshardWorkerExtension", "collective", "kept_live", "logical_params", "map_or_explain",
+    "register", "tied_aliases",
 ]
 
 log = logging.getLogger("reshard.vllm")
@@ -120,7 +126,7 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
     are taken live."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    out = {}
+    out, seen = {}, set()
     for mname, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
         metas = dict(info.restore_metadata[0]) if info is not None else {}
@@ -128,9 +134,51 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
         if bias is not None and "bias" not in metas:
             metas["bias"] = bias  # vLLM never moves biases to meta, nor records them
         for pname, meta in metas.items():
+            live = module._parameters.get(pname)
+            if live is not None and id(live) in seen:
+                continue  # tied: another module's parameter, listed under its first name
+            seen.add(id(live))
             out[f"{mname}.{pname}" if mname else pname] = (mname, pname, tuple(meta.shape),
                                                            meta.dtype)
     return out
+
+
+def tied_aliases(model: torch.nn.Module, where: Mapping[str, tuple[str, str, Any, Any]]
+                 ) -> dict[str, list[tuple[str, str]]]:
+    """vLLM param name -> the other (module, attribute) places holding the same tensor
+    (a tied LM head holds ``embed_tokens.weight``): a commit reloads those too, so the
+    LM head's own processed copy (its CPU GEMM) follows."""
+    by_id = {}
+    for name, (mname, attr, _, _) in where.items():
+        module = model.get_submodule(mname) if mname else model
+        p = module._parameters.get(attr)
+        if p is not None:
+            by_id[id(p)] = name
+    out: dict[str, list[tuple[str, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            name = by_id.get(id(p)) if p is not None else None
+            if name is not None and (mname, attr) != where[name][:2]:
+                out.setdefault(name, []).append((mname, attr))
+    return out
+
+
+def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
+                   hf_tensors: Mapping[str, Sequence[int]], dtype: Any) -> VllmMapping:
+    """:func:`hf_to_vllm` of the trainer's tensors, every vLLM parameter filled; or a
+    :class:`MappingError` naming the first unmapped tensor on each side."""
+    try:
+        mapping = hf_to_vllm(hf_config, tp, logical_shapes, hf_tensors=hf_tensors,
+                             dtype=dtype)
+    except MappingError as e:
+        raise MappingError(f"{e}{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}"
+                           ) from None
+    uncovered = mapping.uncovered(logical_shapes)
+    if uncovered:
+        raise MappingError(f"vLLM parameters that no trainer tensor fills: {uncovered[:8]} "
+                           f"(first: {uncovered[0]!r}); a refit would leave them unset"
+                           f"{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}")
+    return mapping
 
 
 def _copy_into(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -291,38 +339,49 @@ class ReshardState:
             raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
                                f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
         self.model, self.vllm_config, self.rank = model, vllm_config, rank
-        model_config = vllm_config.model_config
-        dtype = model_config.dtype
+        self.inference_size = inference_size
         self.where = logical_params(model)
-        shapes = {n: s for n, (_, _, s, _) in self.where.items()}
-        self.mapping: VllmMapping = hf_to_vllm(model_config.hf_config, inference_size, shapes,
-                                               hf_tensors=hf_tensors, dtype=dtype)
-        uncovered = self.mapping.uncovered(shapes)
-        if uncovered:
-            raise MappingError(f"vLLM parameters that no Hugging Face tensor fills: "
-                               f"{uncovered[:8]}; a refit would leave them unset")
-        odd = [n for n in self.mapping.param_shapes if self.where[n][3] != dtype]
-        if odd:
-            raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
-        self.measured_peak = _reset_peak_rss()
-        self.rss_at_init = _rss_bytes()
-        self.live_names = kept_live(model, {n: self.where[n] for n in self.mapping.param_shapes})
-        self.live = {n: self._param(n).data for n in sorted(self.live_names)}
-        self.buffers = {n: b for n, b in self.mapping.allocate(rank).items()
-                        if n not in self.live_names}
-        self.expected_bytes = self.mapping.shard_bytes(rank)
-        slots = self.mapping.slots(rank)
-        self.receiver = RefitReceiver(
-            self.mapping.targets(rank, {**self.buffers, **self.live}), self.mapping.layouts,
-            host=host, port=port, rank=rank, trainer_size=trainer_size,
-            inference_size=inference_size, staging=staging, budget_bytes=budget_bytes,
-            timeout=timedelta(seconds=timeout_s),
-            direct=[h for h, s in slots.items() if s.param in self.buffers])
+        self.aliases = tied_aliases(model, self.where)
         self.staging = staging
         self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
         self._version = 0
+        self.measured_peak = _reset_peak_rss()
+        self.rss_at_init = _rss_bytes()
+        common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
+                      inference_size=inference_size, staging=staging,
+                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+        if hf_tensors is not None:  # told by the caller
+            targets, layouts, direct = self._prepare(hf_tensors)
+            self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
+        else:  # learnt from the trainer at the meeting
+            self.receiver = RefitReceiver(prepare=self._prepare_from, **common)
         self.created = time.monotonic()
+
+    def _prepare_from(self, trainer: Mapping[str, Any]) -> tuple[dict, dict, list[str]]:
+        return self._prepare({name: layout.shape for name, layout in trainer.items()})
+
+    def _prepare(self, hf_tensors: Mapping[str, Sequence[int]]) -> tuple[dict, dict, list[str]]:
+        """The mapping of the trainer's tensors, where each vLLM parameter is written,
+        the logical buffers: the receiver's (targets, layouts, direct names)."""
+        model_config = self.vllm_config.model_config
+        dtype = model_config.dtype
+        shapes = {n: s for n, (_, _, s, _) in self.where.items()}
+        self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
+                                      hf_tensors, dtype)
+        odd = [n for n in self.mapping.param_shapes if self.where[n][3] != dtype]
+        if odd:
+            raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
+        self.live_names = kept_live(self.model,
+                                    {n: self.where[n] for n in self.mapping.param_shapes})
+        self.live = {n: self._param(n).data for n in sorted(self.live_names)}
+        self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
+                        if n not in self.live_names}
+        self.expected_bytes = self.mapping.shard_bytes(self.rank)
+        slots = self.mapping.slots(self.rank)
+        targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
+        return targets, self.mapping.layouts, [h for h, s in slots.items()
+                                                if s.param in self.buffers]
 
     def _param(self, name: str) -> torch.Tensor:
         mname, attr, _, _ = self.where[name]
@@ -403,15 +462,17 @@ class ReshardState:
             lw.initialize_layerwise_reload(model)
             try:
                 for name, buf in self.buffers.items():
-                    mname, attr, _, _ = self.where[name]
-                    module = model.get_submodule(mname) if mname else model
-                    param = getattr(module, attr)
-                    # the restored parameter is vLLM's stored metadata object: its loader
-                    # is put back afterwards, or later reloads would inherit ours
-                    saved += _snapshot_loaders([param])
-                    param.weight_loader = _copy_into
-                    param.weight_loader = lw.make_online_process_loader(module, attr)
-                    param.weight_loader(param, buf)
+                    # a tied tensor is loaded into every module holding it, so that each
+                    # reprocesses its own copy (the LM head's GEMM)
+                    for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
+                        module = model.get_submodule(mname) if mname else model
+                        param = getattr(module, attr)
+                        # the restored parameter is vLLM's stored metadata object: its
+                        # loader is put back afterwards, or later reloads would inherit ours
+                        saved += _snapshot_loaders([param])
+                        param.weight_loader = _copy_into
+                        param.weight_loader = lw.make_online_process_loader(module, attr)
+                        param.weight_loader(param, buf)
             finally:
                 lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
                 _restore_loaders(saved)
@@ -566,7 +627,10 @@ class ReshardWorkerExtension:
                      hf_tensors: Mapping[str, Sequence[int]] | None = None,
                      timeout_s: float = 120.0) -> dict[str, Any]:
         """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
-        build the mapping, the logical buffers and the receiver; returns sizes."""
+        learn its tensor names and shapes there, build the mapping, the logical buffers
+        and the receiver; returns sizes. ``hf_tensors`` (HF name -> global shape) is
+        only needed to map before the meeting; an unknown tensor on either side is a
+        ``MappingError`` on every rank of both jobs, nothing moved."""
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
         self._reshard = ReshardState(

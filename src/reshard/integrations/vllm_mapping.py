@@ -32,6 +32,7 @@ transformers import.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
     "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
-    "padded_vocab", "VOCAB_PADDING",
+    "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
 ]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the vocabulary is padded to a multiple of it.
@@ -440,6 +441,32 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
                                f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
     _check_filled(tensors, shapes)
     return VllmMapping(tensors, shapes, tp, ctx.dtype)
+
+
+def unmapped_sides(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]],
+                   hf_tensors: Mapping[str, Sequence[int]],
+                   rules: Sequence[tuple[re.Pattern[str], Rule]] = RULES) -> str:
+    """A clause naming, on each side, the first tensor the rules leave unmapped: trainer
+    tensors no rule matches, vLLM parameters no mapped trainer tensor reaches."""
+    cfg = _config_dict(config)
+    ctx = _Ctx(cfg, tp, "float32", None)
+    no_rule, reached = [], set()
+    for name, shape in hf_tensors.items():
+        if not any(p.match(name) for p, _ in rules):
+            no_rule.append(name)
+            continue
+        with contextlib.suppress(MappingError, KeyError, ValueError):
+            reached.add(_apply(rules, name, tuple(shape), ctx)[0].param)
+    tied = cfg.get("tie_word_embeddings") and "model.embed_tokens.weight" in reached
+    unreached = sorted(p for p in logical_shapes if p not in reached
+                       and not (tied and p == "lm_head.weight"))
+    parts = []
+    if no_rule:
+        parts.append(f"trainer tensors no rule maps: {len(no_rule)} (first: {no_rule[0]!r})")
+    if unreached:
+        parts.append(f"vLLM parameters no trainer tensor reaches: {len(unreached)} "
+                     f"(first: {unreached[0]!r})")
+    return ("; " + "; ".join(parts)) if parts else ""
 
 
 def _apply(rules: Sequence[tuple[re.Pattern[str], Rule]], name: str, shape: tuple[int, ...],

@@ -16,11 +16,23 @@ from reshard.refit.side import RefitStats, Side
 __all__ = ["RefitReceiver"]
 
 
+#: ``prepare(trainer_layouts) -> (targets, layouts, direct)``: a receiver's tensors made
+#: once the trainer's tensor names, shapes and dtypes are known (at the meeting).
+Prepare = Callable[[Mapping[str, Layout]],
+                   tuple[Mapping[str, torch.Tensor], Mapping[str, Layout], Collection[str]]]
+
+
 class RefitReceiver(Side):
     """The inference side. ``targets``: name -> local tensor to write (views into fused
-    parameters are fine); ``layouts``: name -> Layout over the inference ranks."""
+    parameters are fine); ``layouts``: name -> Layout over the inference ranks. Or,
+    instead of both, ``prepare``: called at the meeting with the trainer's layouts, it
+    returns ``(targets, layouts, direct)`` (a receiver that maps the trainer's names,
+    as the vLLM integration does, needs nothing else from the caller)."""
 
-    def __init__(self, targets: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], *,
+    direct: frozenset[str] = frozenset()  # targets the caller stages itself (no shadow)
+
+    def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
+                 layouts: Mapping[str, Layout] | None = None, *,
                  host: str, port: int, rank: int, trainer_size: int, inference_size: int,
                  staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
@@ -28,24 +40,42 @@ class RefitReceiver(Side):
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
                  checksum: bool | str = False,
-                 direct: Collection[str] = ()) -> None:
+                 direct: Collection[str] = (), prepare: Prepare | None = None) -> None:
         """The timeouts and ``checksum`` are as for :class:`RefitSender`. ``direct``:
         names whose targets are not live memory but the caller's own staging (buffers it
         commits itself once :meth:`refit` returned, as the vLLM integration's logical
         buffers): written straight even with ``staging="shadow"``, never shadowed."""
         if staging not in ("shadow", "none"):
             raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
-        unknown = sorted(set(direct) - set(targets))
-        if unknown:
-            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
-        self.targets, self.staging, self.direct = dict(targets), staging, frozenset(direct)
+        if (prepare is None) == (targets is None or layouts is None) or (
+                prepare is not None and (targets is not None or layouts is not None)):
+            raise ConfigError("give targets and layouts, or prepare= (not both)")
+        self.staging = staging
+        if prepare is None:
+            self._take(targets, direct)
         meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
-                         inference_size=inference_size, layouts=layouts, backend=backend,
+                         inference_size=inference_size, backend=backend,
+                         layouts=layouts if prepare is None else self._preparing(prepare),
                          timeout=connect_timeout or timeout)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)
         self.shadow = self._new_shadow()
+
+    def _take(self, targets: Mapping[str, torch.Tensor], direct: Collection[str]) -> None:
+        unknown = sorted(set(direct) - set(targets))
+        if unknown:
+            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
+        self.targets, self.direct = dict(targets), frozenset(direct)
+
+    def _preparing(self, prepare: Prepare) -> Callable[[Mapping[str, Layout]],
+                                                       Mapping[str, Layout]]:
+        def layouts_from(trainer: Mapping[str, Layout]) -> Mapping[str, Layout]:
+            targets, layouts, direct = prepare(trainer)
+            self._take(targets, direct)
+            return layouts
+
+        return layouts_from
 
     def _new_shadow(self) -> dict[str, torch.Tensor]:
         """What the transfer writes: a clone of each live target with ``staging="shadow"``

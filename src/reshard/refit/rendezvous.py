@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from reshard import errors
 from reshard.comm import Comm
-from reshard.errors import FingerprintMismatchError, PlanError
+from reshard.errors import FingerprintMismatchError, PlanError, ReshardError
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
@@ -36,18 +37,39 @@ class Meeting:
     offset: int
 
 
+#: What an inference side may give instead of its layouts: a function of the trainer's
+#: layouts (name -> Layout, with names, shapes and dtypes) returning its own.
+LayoutsFromTrainer = Callable[[Mapping[str, Layout]], Mapping[str, Layout]]
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Published instead of layouts when a side could not make them."""
+
+    kind: str
+    message: str
+
+
 def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
-         inference_size: int, layouts: Mapping[str, Layout], backend: str = "gloo",
-         allow_cast: bool = True, timeout: timedelta = timedelta(minutes=5)) -> Meeting:
+         inference_size: int, layouts: Mapping[str, Layout] | LayoutsFromTrainer,
+         backend: str = "gloo", allow_cast: bool = True,
+         timeout: timedelta = timedelta(minutes=5)) -> Meeting:
     """Join the weight-update group and agree on a plan; collective over both jobs.
 
     ``layouts`` use this side's own rank numbers; the trainer's rank 0 hosts the store.
+    The inference side may pass a function of the trainer's layouts instead (it learns
+    the trainer's tensor names, shapes and dtypes at the meeting, before the group
+    forms); if it raises a :class:`reshard.ReshardError`, every rank of both jobs raises
+    the same error class with its message, and nothing moves.
     """
     if side not in SIDES:
         raise PlanError(f"side must be one of {SIDES}, got {side!r}")
     if trainer_size < 1 or inference_size < 1:
         raise PlanError(f"trainer_size and inference_size must be >= 1, got {trainer_size} "
                         f"and {inference_size}")
+    if side == "trainer" and callable(layouts):
+        raise PlanError("the trainer side gives its layouts as a mapping name -> Layout; "
+                        "only the inference side may derive its own from the trainer's")
     size = trainer_size if side == "trainer" else inference_size
     if not 0 <= side_rank < size:
         raise PlanError(f"side_rank must be in [0, {size}) for the {side}, got {side_rank}")
@@ -56,23 +78,54 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     world = trainer_size + inference_size
     store = Comm.open_store(host, port, rank, world, timeout=timeout)
     _agree_on_sizes(store, side, side_rank, (trainer_size, inference_size, backend), timeout)
+    trainer_layouts = None
+    if side == "trainer":  # published before the group forms: a receiver may need them
+        mine = _own_layouts(layouts, offset, None)
+        if side_rank == 0:
+            store.set("reshard/layouts/trainer", pickle.dumps(mine))
+    else:
+        trainer_layouts = _read_layouts(store, "trainer", timeout)
+        mine = _own_layouts(layouts, offset, trainer_layouts)
     comm = Comm.from_existing_store(store, rank, world, backend=backend, timeout=timeout)
-    mine = {name: lay.shifted(offset) for name, lay in layouts.items()}
-    if side_rank == 0:
-        comm.store.set(f"reshard/layouts/{side}", pickle.dumps(mine))
-    other = "inference" if side == "trainer" else "trainer"
-    comm.store.wait([f"reshard/layouts/{other}"], timeout)
-    theirs = pickle.loads(comm.store.get(f"reshard/layouts/{other}"))
-    src, dst = (mine, theirs) if side == "trainer" else (theirs, mine)
-    try:
-        the_plan = plan(src, dst, allow_cast=allow_cast)
-        fingerprint, problem = the_plan.fingerprint(), None
-    except PlanError as e:
-        the_plan, fingerprint, problem = None, None, str(e)
+    if side == "inference" and side_rank == 0:
+        comm.store.set("reshard/layouts/inference", pickle.dumps(mine))
+    theirs = (trainer_layouts if side == "inference"
+              else _read_layouts(comm.store, "inference", timeout))
+    the_plan, fingerprint, problem = _plan_or_problem(mine, theirs, side, allow_cast)
     views = comm.all_gather_object((rank, fingerprint, problem))
     _agree(views)
     assert the_plan is not None
     return Meeting(comm, the_plan, rank, side, offset)
+
+
+def _read_layouts(store, side: str, timeout: timedelta) -> dict[str, Layout] | _Refused:
+    store.wait([f"reshard/layouts/{side}"], timeout)
+    return pickle.loads(store.get(f"reshard/layouts/{side}"))
+
+
+def _own_layouts(layouts: Mapping[str, Layout] | LayoutsFromTrainer, offset: int,
+                 trainer: dict[str, Layout] | _Refused | None) -> dict[str, Layout] | _Refused:
+    """This side's layouts in group ranks, or why it could not make them."""
+    if isinstance(trainer, _Refused):
+        return trainer
+    try:
+        if callable(layouts):  # the trainer's ranks come first: its own numbers already
+            layouts = layouts(dict(trainer))
+        return {name: lay.shifted(offset) for name, lay in layouts.items()}
+    except ReshardError as e:
+        return _Refused(type(e).__name__, str(e))
+
+
+def _plan_or_problem(mine, theirs, side: str, allow_cast: bool):
+    refused = next((x for x in (mine, theirs) if isinstance(x, _Refused)), None)
+    if refused is not None:
+        return None, None, (refused.kind, refused.message)
+    src, dst = (mine, theirs) if side == "trainer" else (theirs, mine)
+    try:
+        the_plan = plan(src, dst, allow_cast=allow_cast)
+        return the_plan, the_plan.fingerprint(), None
+    except PlanError as e:
+        return None, None, ("PlanError", str(e))
 
 
 def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str],
@@ -106,11 +159,14 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
                     + "; nothing was moved")
 
 
-def _agree(views: list[tuple[int, str | None, str | None]]) -> None:
+def _agree(views: list[tuple[int, str | None, tuple[str, str] | None]]) -> None:
     problems = [(r, p) for r, _, p in views if p]
     if problems:
-        r, p = problems[0]
-        raise PlanError(f"rank {r} could not plan: {p}; nothing was moved")
+        r, (kind, p) = problems[0]
+        error = getattr(errors, kind, None)
+        if not (isinstance(error, type) and issubclass(error, ReshardError)):
+            error = PlanError
+        raise error(f"rank {r} could not plan: {p}; nothing was moved")
     prints = {fp for _, fp, _ in views}
     if len(prints) > 1:
         who = {fp: [r for r, f, _ in views if f == fp] for fp in prints}

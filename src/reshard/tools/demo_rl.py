@@ -140,8 +140,7 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any, SamplingParams: Any) ->
     thread.start()
     ref = hf.load_model(model_dir, torch.float32).eval()
     t0 = time.perf_counter()
-    infos = collective(llm, "reshard_init", "127.0.0.1", port, TRAINERS,
-                       hf_tensors=hf.param_shapes(ref))
+    infos = collective(llm, "reshard_init", "127.0.0.1", port, TRAINERS)
     print(f"trainer (FSDP2 x{TRAINERS}) and vLLM met in {time.perf_counter() - t0:.1f} s; "
           f"each vLLM rank expects {[i['expected_bytes'] for i in infos]} B per refit "
           f"(the full model is {sum(p.numel() * 4 for p in ref.parameters())} B)")
