@@ -74,8 +74,8 @@ class Engines:
         self.root, self.kind, self.llm = root, None, None
         self.dirs: dict[str, Path] = {}
 
-    def get(self, kind: str):
-        if kind != self.kind:
+    def get(self, kind: str, dtype: str = "float32"):
+        if (kind, dtype) != self.kind:
             self.close()
             if kind not in self.dirs:
                 extra = ({"vocab_size": 500} if kind in ("qwen3", "qwen3_tied")
@@ -85,18 +85,18 @@ class Engines:
                 family = "qwen3" if kind == "qwen3_tied" else kind
                 self.dirs[kind] = hf.build_tiny_model(self.root / kind, family, **extra)
             self.llm = LLM(model=str(self.dirs[kind]), tensor_parallel_size=TP,
-                           skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                           skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                            max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXT,
                            weight_transfer_config={"backend": "reshard"})
-            self.kind = kind
+            self.kind = (kind, dtype)
         return self.llm, self.dirs[kind]
 
-    def fresh(self, model_dir: Path):
+    def fresh(self, model_dir: Path, dtype: str = "float32"):
         """A plain engine of the same kind (no reshard) loaded from ``model_dir``; the
         engine in use is closed first, and the next ``get`` starts its own again."""
         self.close()
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
-                       enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=8,
+                       enforce_eager=True, dtype=dtype, max_model_len=128, max_num_seqs=8,
                        seed=0)
         self.kind = "fresh"
         return self.llm
@@ -163,10 +163,10 @@ def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
 
 
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
-               fail_at: int = -1, path: str = "extension",
-               staging: str = "shadow") -> tuple[list, list]:
+               fail_at: int = -1, path: str = "extension", staging: str = "shadow",
+               dtype: str = "float32") -> tuple[list, list]:
     """Trainer job vs the engine; per step: refit outcome, generation, checks input."""
-    llm, model_dir = engines.get(kind)
+    llm, model_dir = engines.get(kind, dtype)
     ref_model = hf.load_model(model_dir, torch.float32).eval()
     shapes = hf.param_shapes(ref_model)
     port, out = free_port(), tmp_path / "out"
@@ -336,14 +336,16 @@ def test_interrupted_refit_keeps_previous_version(engines, tmp_path):
         assert [e["ok"] for e in rank_log] == [True, False, True]
 
 
-def fresh_engine_answers(engines, model_dir: Path, state_path: Path, tmp_path: Path):
-    """Tokens and prompt logprobs of a fresh engine loaded from the trainer's checkpoint
-    (its full state dict of that step, saved as a Hugging Face model in float32)."""
+def fresh_engine_answers(engines, model_dir: Path, state_path: Path, tmp_path: Path,
+                         dtype: str = "float32"):
+    """Tokens and prompt logprobs of a fresh engine (of ``dtype``) loaded from the
+    trainer's checkpoint (its full state dict of that step, saved as a Hugging Face model
+    in float32: the engine casts on load as the sender casts on send)."""
     model = hf.load_model(model_dir, torch.float32)
     model.load_state_dict(with_tied(model, torch.load(state_path)))
     model.config.dtype = torch.float32
     model.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
-    return generate(engines.fresh(tmp_path / "checkpoint"))
+    return generate(engines.fresh(tmp_path / "checkpoint", dtype))
 
 
 def test_staging_none_failed_refit_is_stale_until_the_next(engines, tmp_path):
@@ -393,3 +395,27 @@ def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
         check_memory(rec, cfg)
         assert all(any("experts" in n for n in i["buffered"]) for i in rec["info"])
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
+
+
+@pytest.mark.parametrize("kind, shard, dtype", [("llama", "tp", "float32"),
+                                                ("qwen2", "fsdp", "bfloat16")])
+def test_family_refits_and_matches_a_fresh_engine(engines, tmp_path, kind, shard, dtype):
+    """Llama (tensor-parallel trainer, fp32) and Qwen2 (q/k/v biases, FSDP2 trainer, a
+    bf16 engine: fp32 master weights cast on send): after each refit every logical
+    weight is what vLLM's own loaders make of the step's state, each rank receives what
+    it expects, and the engine answers bit for bit as a fresh engine of that step."""
+    records, trainer = run_refits(engines, tmp_path, kind, shard, steps=2, dtype=dtype)
+    for step, rec in enumerate(records, 1):
+        for res in rec["res"]:
+            assert res["ok"] and res["committed"] and res["version"] == step, res
+            assert res["bytes_received"] == res["expected_bytes"] > 0
+        assert not any(s["stale"] for s in rec["status"])
+        for v in rec["verify"]:
+            assert v["mismatched"] == [] and v["checked"] > 0, v
+    assert all(e["ok"] for rank_log in trainer for e in rank_log)
+    if kind == "qwen2":  # biases travel into the fused qkv_proj bias
+        assert all(any(n.endswith("qkv_proj.bias") for n in i["buffered"])
+                   for i in records[0]["info"])
+    fresh = fresh_engine_answers(engines, engines.dirs[kind], tmp_path / "out" / "step2.pt",
+                                 tmp_path, dtype)
+    assert (records[-1]["tokens"], records[-1]["lps"]) == fresh

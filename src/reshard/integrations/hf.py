@@ -40,8 +40,11 @@ _FUSED_EXPERTS = re.compile(r"^(?P<p>.+\.mlp\.experts)\.(?P<w>gate_up_proj|down_
 
 
 def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
-    """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads (Qwen2
+    derives its head size from the hidden size: hidden 128 there, as vLLM's CPU attention
+    rejects heads of 16). Kinds: ``qwen3``, ``qwen3_moe``, ``llama``, ``qwen2`` (q/k/v
+    biases)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=512,
@@ -53,7 +56,12 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
         return Qwen3MoeConfig(**{**common, **moe, **overrides})
-    raise ConfigError(f"unknown tiny model kind {kind!r}; expected 'qwen3' or 'qwen3_moe'")
+    if kind == "llama":
+        return LlamaConfig(**{**common, **overrides})
+    if kind == "qwen2":
+        return Qwen2Config(**{**common, "hidden_size": 128, **overrides})
+    raise ConfigError(f"unknown tiny model kind {kind!r}; expected one of 'qwen3', "
+                      "'qwen3_moe', 'llama', 'qwen2'")
 
 
 def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,
@@ -129,8 +137,9 @@ def shard_tp(model: Any, mesh: Any = None) -> Any:
     group = mesh.get_group()
     for layer in _layers(model):
         parallelize_module(layer, mesh, plan)
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            for p in norm.parameters():
+        for norm in (getattr(layer.self_attn, "q_norm", None),
+                     getattr(layer.self_attn, "k_norm", None)):
+            for p in norm.parameters() if norm is not None else ():
                 p.register_post_accumulate_grad_hook(
                     lambda p: dist.all_reduce(p.grad, group=group))
     model._reshard_tp_mesh = mesh
