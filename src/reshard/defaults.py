@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-__all__ = ["CHECKSUMS", "DEFAULT_BUDGET_BYTES", "METHODS"]
+__all__ = ["ALL_METHODS", "CHECKSUMS", "COLOCATED", "DEFAULT_BUDGET_BYTES", "METHODS"]
 
 #: The ways to carry out a plan: ``reshard`` (domain-aware: each byte crosses the network
 #: once per fast domain), ``p2p`` (the plan's transfers sent directly) and
 #: ``gather_broadcast`` (the conventional path the others are measured against).
 METHODS = ("reshard", "p2p", "gather_broadcast")
+
+#: Ranks on one machine reading each other's tensors in place through shared memory
+#: (no network path, so the cluster simulator does not model it).
+COLOCATED = "colocated"
+
+#: Every method an executor runs.
+ALL_METHODS = (*METHODS, COLOCATED)
 
 #: The staging memory one rank uses per round, unless told otherwise.
 DEFAULT_BUDGET_BYTES = 256 << 20

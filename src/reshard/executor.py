@@ -17,7 +17,7 @@ import torch
 
 from reshard._transport.runner import RankRunner, RunStats
 from reshard.comm import Comm, backend_device_types
-from reshard.defaults import CHECKSUMS, DEFAULT_BUDGET_BYTES, METHODS
+from reshard.defaults import ALL_METHODS, CHECKSUMS, COLOCATED, DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError, FingerprintMismatchError, TensorMismatchError
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
@@ -34,12 +34,15 @@ class Executor:
         """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
         fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
         see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
-        directly) or ``gather_broadcast`` (the conventional path). ``budget_bytes`` caps
-        the staging memory a rank uses per round. ``checksum`` (``True`` = ``"sum"``, or
-        ``"crc32"``) sends a digest of every message after it and raises
+        directly), ``gather_broadcast`` (the conventional path) or ``colocated`` (every
+        rank on one machine: each reads its regions straight out of the source ranks'
+        tensors through shared memory; the group carries only control messages).
+        ``budget_bytes`` caps the staging memory a rank uses per round. ``checksum``
+        (``True`` = ``"sum"``, or ``"crc32"``) sends a digest of every message after it
+        and raises
         :class:`reshard.TransferError` on a receiving rank whose data arrived corrupt."""
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; expected one of {METHODS}")
+        if method not in ALL_METHODS:
+            raise ConfigError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
         if budget_bytes < 1024:
             raise ConfigError(f"budget_bytes must be at least 1024, got {budget_bytes}")
         self.plan, self.method, self.budget_bytes = plan, method, budget_bytes
@@ -48,12 +51,11 @@ class Executor:
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
         self._key: tuple[tuple[str, str], ...] | None = None
         self.schedule = self._build(topology)
-        self._runner = None if method == "gather_broadcast" else RankRunner(
-            self.schedule, self.comm, dtypes=self.dtypes)
+        self._runner = self._new_runner()
         self.checksum = checksum_kind(checksum)
         if self.checksum is not None:
-            if self._runner is None:
-                raise ConfigError("checksum is not supported by the gather_broadcast method")
+            if method in ("gather_broadcast", COLOCATED):
+                raise ConfigError(f"checksum is not supported by the {method} method")
             self._runner.checksum = self.checksum
         self._baseline = None
         if method == "gather_broadcast":
@@ -61,6 +63,15 @@ class Executor:
 
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
+
+    def _new_runner(self) -> Any:
+        if self.method == "gather_broadcast":
+            return None
+        if self.method == COLOCATED:
+            from reshard._transport.shm import SharedMemoryRunner
+
+            return SharedMemoryRunner(self.plan, self.comm, dtypes=self.dtypes)
+        return RankRunner(self.schedule, self.comm, dtypes=self.dtypes)
 
     def schedule_key(self) -> tuple[tuple[str, str], ...]:
         """What shapes this rank's schedule besides the plan, as (name, value) pairs;
@@ -76,7 +87,7 @@ class Executor:
         return self._key
 
     def _build(self, topology: Any) -> Schedule | None:
-        if self.method == "gather_broadcast":
+        if self.method in ("gather_broadcast", COLOCATED):
             return None
         if self.method == "reshard":
             from reshard.topology import Topology, domain_schedule

@@ -50,7 +50,7 @@ def batch(step: int, vocab: int) -> torch.Tensor:
 
 
 def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shard: str,
-            steps: int, fail_at: int, lr: float) -> list[dict]:
+            steps: int, fail_at: int, lr: float, method: str = "reshard") -> list[dict]:
     torch.manual_seed(0)
     model = hf.load_model(model_dir, torch.float32)
     (hf.shard_fsdp2 if shard == "fsdp" else hf.shard_tp)(model)
@@ -58,6 +58,7 @@ def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shar
     params = FailingParams(params, fail_at)
     sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
                          trainer_size=world, inference_size=2,
+                         policy={name: method for name in layouts},
                          timeout=timedelta(seconds=120))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     log = []
@@ -92,10 +93,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fail-at", type=int, default=-1)
     ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--method", default="reshard", help="every tensor's refit method")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     logs = run_processes(trainer, 2, a.model_dir, a.port, a.out_dir, a.shard, a.steps,
-                         a.fail_at, a.lr, timeout=300)
+                         a.fail_at, a.lr, a.method, timeout=300)
     print(json.dumps(logs), flush=True)
 
 

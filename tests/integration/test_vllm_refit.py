@@ -164,7 +164,7 @@ def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
 
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                fail_at: int = -1, path: str = "extension", staging: str = "shadow",
-               dtype: str = "float32") -> tuple[list, list]:
+               dtype: str = "float32", method: str = "reshard") -> tuple[list, list]:
     """Trainer job vs the engine; per step: refit outcome, generation, checks input."""
     llm, model_dir = engines.get(kind, dtype)
     ref_model = hf.load_model(model_dir, torch.float32).eval()
@@ -174,7 +174,8 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
     with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
         job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
                                 "--shard", shard, "--steps", str(steps),
-                                "--fail-at", str(fail_at)], stdout=so, stderr=se)
+                                "--fail-at", str(fail_at), "--method", method],
+                               stdout=so, stderr=se)
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
                     "hf_tensors": shapes, "staging": staging}
@@ -418,4 +419,21 @@ def test_family_refits_and_matches_a_fresh_engine(engines, tmp_path, kind, shard
                    for i in records[0]["info"])
     fresh = fresh_engine_answers(engines, engines.dirs[kind], tmp_path / "out" / "step2.pt",
                                  tmp_path, dtype)
+    assert (records[-1]["tokens"], records[-1]["lps"]) == fresh
+
+
+def test_colocated_trainer_refits_vllm_through_shared_memory(engines, tmp_path):
+    """Trainer and engine on one machine, every tensor through the colocated transport:
+    each vLLM rank copies its regions straight out of the FSDP2 trainer's memory (the
+    group carries only control messages); the same bytes land, and the engine answers
+    bit for bit as a fresh engine loaded from the trainer's checkpoint of that step."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp", steps=2,
+                                  method="colocated")
+    cfg = hf.load_model(engines.dirs["qwen3"], torch.float32).config
+    for step, rec in enumerate(records, 1):
+        check_good_refit(rec, step)
+        check_memory(rec, cfg)
+    assert all(e["ok"] and e["sent"] == 0 for rank_log in trainer for e in rank_log)
+    fresh = fresh_engine_answers(engines, engines.dirs["qwen3"], tmp_path / "out" / "step2.pt",
+                                 tmp_path)
     assert (records[-1]["tokens"], records[-1]["lps"]) == fresh

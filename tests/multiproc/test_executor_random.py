@@ -76,7 +76,7 @@ def _worker(rank, world, src_layouts, dst_layouts, methods):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_layouts_every_method(seed):
     src, dst = _random_pairs(seed, 40)
-    methods = ["reshard", "p2p", "gather_broadcast"]
+    methods = ["reshard", "p2p", "gather_broadcast", "colocated"]
     for rank, bad in enumerate(run_processes(_worker, WORLD, src, dst, methods, timeout=240)):
         assert bad == {m: [] for m in methods}, f"rank {rank}: {bad}"
 
@@ -85,6 +85,6 @@ def test_many_tensor_model_every_method():
     model = synthetic_model(8 << 20, dtype="bfloat16")
     src = model_layouts(model.tensors, "fsdp2,tp2")
     dst = model_layouts(model.tensors, "tp2,dp2", first_rank=4)
-    methods = ["reshard", "p2p", "gather_broadcast"]
+    methods = ["reshard", "p2p", "gather_broadcast", "colocated"]
     for rank, bad in enumerate(run_processes(_worker, WORLD, src, dst, methods, timeout=240)):
         assert bad == {m: [] for m in methods}, f"rank {rank}: {bad}"

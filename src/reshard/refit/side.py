@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from reshard import planner
-from reshard.defaults import METHODS
+from reshard.defaults import ALL_METHODS, COLOCATED
 from reshard.errors import ReshardError, TensorMismatchError, TransferError
 from reshard.executor import Executor, checksum_kind, local_problem
 from reshard.layout import Layout
@@ -116,8 +116,9 @@ class Side:
         # committed (see _reconciled)
         kind = checksum_kind(self.checksum)
         problem = _policy_problem(meeting.plan, policy)
-        if problem is None and kind and policy and "gather_broadcast" in set(policy.values()):
-            problem = "checksum does not cover the gather_broadcast policy"
+        unchecked = sorted({"gather_broadcast", COLOCATED} & set((policy or {}).values()))
+        if problem is None and kind and unchecked:
+            problem = f"checksum does not cover the {' / '.join(unchecked)} policy"
         views: list[_SetupView] = self.comm.all_gather_object(_SetupView(
             meeting.side, tuple(sorted((policy or {}).items())), budget_bytes, kind,
             self.method, problem, self.version))
@@ -145,7 +146,8 @@ class Side:
         executors = []
         for method, sub in _split_by_policy(meeting.plan, self.policy).items():
             ex = Executor(sub, self.comm, method=method, budget_bytes=self.budget_bytes,
-                          checksum=self.checksum if method != "gather_broadcast" else False)
+                          checksum=False if method in ("gather_broadcast", COLOCATED)
+                          else self.checksum)
             if progress:
                 ex.progress = progress if callable(progress) else print_progress
             executors.append(ex)
@@ -288,9 +290,9 @@ def _policy_problem(plan: Plan, policy: Mapping[str, str] | None) -> str | None:
     unknown = sorted(set(policy) - set(plan.names))
     if unknown:
         return f"the policy names parameters that are not in the plan: {unknown[:5]}"
-    methods = sorted(set(policy.values()) - set(METHODS))
+    methods = sorted(set(policy.values()) - set(ALL_METHODS))
     if methods:
-        return f"the policy names unknown methods {methods}; expected one of {METHODS}"
+        return f"the policy names unknown methods {methods}; expected one of {ALL_METHODS}"
     return None
 
 

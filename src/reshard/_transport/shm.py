@@ -1,0 +1,205 @@
+"""The colocated transport: ranks on one machine read each other's tensors in place.
+
+Each source rank exports its local tensors once -- their storage moved into shared
+memory (``share_memory_``, in place: every view of it follows) and named by the file
+descriptor that holds it -- and again only when a tensor's storage changed (a trainer
+that reshards, offloads or reallocates between refits). Each destination rank maps the
+exported storages (``/proc/<pid>/fd/<fd>``, once per storage) and copies the plan's
+regions straight from them into its targets: no communicator carries weights, no
+staging arena, no full tensor anywhere. The group carries only the exports and two
+small collectives per run: one before the copies (every source's values are in place;
+every export known; any rank's problem refused on all) and one after them (no source
+may change what a reader still reads).
+
+CPU tensors only here (CUDA would export with CUDA IPC handles the same way). Every
+rank of the plan must share the machine; ranks on other machines are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from reshard._transport.runner import RunStats
+from reshard.comm import Comm
+from reshard.errors import TransferError
+from reshard.layout import box_slices
+from reshard.planner import Plan
+
+__all__ = ["SharedMemoryRunner", "machine_id"]
+
+
+def machine_id() -> str:
+    """Which machine (and mount of /proc) this process is on: ranks that agree here can
+    map each other's shared memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class SharedMemoryRunner:
+    """One rank's colocated runs of one plan (exports and mappings kept across runs)."""
+
+    def __init__(self, plan: Plan, comm: Comm, *, dtypes: Mapping[str, torch.dtype]) -> None:
+        self.plan, self.comm, self.rank, self.dtypes = plan, comm, comm.rank, dtypes
+        self.progress: Callable[[int, int], None] | None = None
+        self.deadline: float | None = None  # time.monotonic() by which every wait ends
+        self.broken = False
+        self.checksum = None
+        self.exports = 0  # how many tensors this rank has exported (first run, changes)
+        self._exported: dict[str, tuple] = {}  # name -> identity of what was exported
+        self._mapped: dict[tuple[int, str], torch.Tensor] = {}  # (src rank, name) -> view
+        self._storages: dict[tuple, torch.UntypedStorage] = {}  # (pid, fd, ptr) -> map
+        self._copies = [(t.name, tr) for t in plan.tensors for tr in t.transfers(self.rank)
+                        if tr.dst_rank == self.rank]
+        self._total = sum(tr.nbytes for _, tr in self._copies)
+        self._reads = {(tr.src_rank, name) for name, tr in self._copies
+                       if tr.src_rank != self.rank}
+
+    def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
+        """Export what changed, learn the others' exports, copy this rank's regions."""
+        self.broken = False
+        mine, problem = self._export(src)
+        views = self._gather((machine_id(), mine, problem))
+        self._refuse(views)
+        for r, (_, exports, _) in enumerate(views):
+            for name, spec in exports.items():
+                if (r, name) in self._reads:
+                    self._mapped[(r, name)] = self._map(spec)
+        if any(exports for _, exports, _ in views):
+            self._drop_unused()
+        stats = self._copy(src, dst)
+        self._gather(None)  # readers done: the sources may change their tensors again
+        return stats
+
+    # -- exports -----------------------------------------------------------------------
+    def _export(self, src: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple], str | None]:
+        out: dict[str, tuple] = {}
+        try:
+            for t in self.plan.tensors:
+                if self.rank in t.src.rank_set and self._sends(t.name):
+                    tensor = src[t.name]
+                    if not self._unchanged(t.name, tensor):  # first run, or it moved
+                        out[t.name] = _export_spec(tensor)
+                        self._exported[t.name] = _identity(tensor)
+        except Exception as e:  # a source that cannot be read: refused on every rank
+            return {}, f"rank {self.rank}: exporting a source tensor failed ({e!r})"
+        self.exports += len(out)
+        return out, None
+
+    def _unchanged(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the very storage and view exported before. The storage
+        is held by a weak reference: a freed one never matches a new one that happens
+        to reuse its address or file descriptor."""
+        held = self._exported.get(name)
+        return (held is not None and held[0]() is tensor.untyped_storage()
+                and held[1:] == _identity(tensor)[1:])
+
+    def _sends(self, name: str) -> bool:
+        """Whether another rank reads any of this rank's ``name`` (else no export)."""
+        return any(tr.src_rank == self.rank and tr.dst_rank != self.rank
+                   for tr in self.plan[name].transfers(self.rank))
+
+    def _refuse(self, views: list[tuple[str, dict, str | None]]) -> None:
+        problems = [p for _, _, p in views if p]
+        if problems:
+            raise TransferError(f"{problems[0]}; this run must be discarded")
+        machines = {m for m, _, _ in views}
+        if len(machines) > 1:
+            raise TransferError(f"the colocated transport needs every rank on one machine; "
+                                f"the ranks are on {len(machines)}: use method='reshard'")
+
+    # -- mappings and copies -------------------------------------------------------------
+    def _map(self, spec: tuple) -> torch.Tensor:
+        pid, fd, nbytes, ptr, offset, shape, stride, dtype = spec
+        key = (pid, fd, ptr)
+        storage = self._storages.get(key)
+        if storage is None:
+            if pid == os.getpid():
+                raise TransferError("internal: a rank mapped its own export")
+            try:
+                storage = torch.UntypedStorage.from_file(f"/proc/{pid}/fd/{fd}", shared=True,
+                                                         nbytes=nbytes)
+            except (OSError, RuntimeError) as e:
+                raise TransferError(f"rank {self.rank}: cannot map the storage exported by "
+                                    f"process {pid} (freed, or that process is gone): "
+                                    f"{e}") from e
+            self._storages[key] = storage
+        view = torch.empty(0, dtype=getattr(torch, dtype))
+        return view.set_(storage, offset, shape, stride)
+
+    def _drop_unused(self) -> None:
+        """Unmap storages no current export uses (a source moved away from them)."""
+        used = {(v.untyped_storage().data_ptr()) for v in self._mapped.values()}
+        self._storages = {k: s for k, s in self._storages.items() if s.data_ptr() in used}
+
+    def _copy(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]
+              ) -> RunStats:
+        stats = RunStats()
+        done = 0
+        with torch.no_grad():
+            for name, tr in self._copies:
+                source = src[name] if tr.src_rank == self.rank else self._mapped[
+                    (tr.src_rank, name)]
+                region = source[box_slices(tr.src_offset, tr.size)]
+                dst[name][box_slices(tr.dst_offset, tr.size)].copy_(region)
+                if tr.src_rank == self.rank:
+                    stats.bytes_local += tr.nbytes
+                else:
+                    stats.bytes_received += tr.nbytes
+                    stats.num_messages += 1
+                done += tr.nbytes
+        stats.rounds = 1
+        if self.progress is not None:
+            self.progress(done, self._total)
+        return stats
+
+    def _gather(self, obj: Any) -> list[Any]:
+        left = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
+        try:
+            if left is None:
+                return self.comm.all_gather_object(obj)
+            from datetime import timedelta
+
+            return self.comm.all_gather_object(obj, timedelta(seconds=left))
+        except RuntimeError as e:  # a peer died or timed out
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: colocated transfer failed: "
+                                f"{str(e).splitlines()[0]}") from e
+
+    def release(self) -> None:
+        """Forget every mapping and export (they are made again on the next run)."""
+        self._mapped, self._storages, self._exported = {}, {}, {}
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    return (weakref.ref(tensor.untyped_storage()), tensor.storage_offset(),
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+def _export_spec(tensor: torch.Tensor) -> tuple:
+    """(pid, fd, nbytes, storage ptr, storage offset, shape, stride, dtype) of a CPU
+    tensor, its storage moved into shared memory first if it is not there yet."""
+    if tensor.device.type != "cpu":
+        raise TransferError(f"the colocated transport reads CPU tensors here, got one on "
+                            f"{tensor.device}")
+    if not tensor.is_shared():
+        tensor.share_memory_()  # in place: the storage moves, every view follows
+    storage = tensor.untyped_storage()
+    try:
+        fd, nbytes = storage._share_fd_cpu_()
+    except RuntimeError as e:  # shared another way (the file_system sharing strategy)
+        raise TransferError("the colocated transport needs torch.multiprocessing's "
+                            f"file_descriptor sharing strategy: {e}") from e
+    return (os.getpid(), fd, nbytes, storage.data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tuple(tensor.stride()),
+            str(tensor.dtype).removeprefix("torch."))
