@@ -434,6 +434,7 @@ def test_colocated_trainer_refits_vllm_through_shared_memory(engines, tmp_path):
         check_good_refit(rec, step)
         check_memory(rec, cfg)
     assert all(e["ok"] and e["sent"] == 0 for rank_log in trainer for e in rank_log)
-    fresh = fresh_engine_answers(engines, engines.dirs["qwen3"], tmp_path / "out" / "step2.pt",
-                                 tmp_path)
-    assert (records[-1]["tokens"], records[-1]["lps"]) == fresh
+    for step, rec in enumerate(records, 1):  # every refit against its own fresh engine
+        fresh = fresh_engine_answers(engines, engines.dirs["qwen3"],
+                                     tmp_path / "out" / f"step{step}.pt", tmp_path / str(step))
+        assert (rec["tokens"], rec["lps"]) == fresh, step

@@ -67,3 +67,71 @@ def test_moved_storage_is_exported_again_and_read_from_its_new_place():
 def test_a_rank_on_another_machine_is_refused_on_every_rank():
     errors = run_processes(_other_machine, 4, timeout=120)
     assert all(e and "needs every rank on one machine" in e for e in errors), errors
+
+
+def _trainer_dies(rank: int, world: int, port: int) -> dict:
+    """Refit 1 lands; during refit 2 the trainer process dies after exporting (while the
+    engine ranks read its memory): they raise TransferError and keep version 1."""
+    import os
+    from datetime import timedelta
+
+    from reshard._transport.shm import SharedMemoryRunner
+    from reshard.refit import RefitReceiver, RefitSender
+
+    full = {"w": FULL.clone()}
+    lay_src = {"w": R.Layout((12, 10), R.Mesh([0]), [R.Replicate()])}
+    lay_dst = {"w": R.Layout((12, 10), R.Mesh([0, 1]), [R.Shard(1)])}
+    common = dict(host="127.0.0.1", port=port, trainer_size=1, inference_size=2,
+                  refit_timeout=timedelta(seconds=20))
+    if rank == 0:
+        side = RefitSender(full, layouts=lay_src, rank=0, policy={"w": "colocated"}, **common)
+        side.refit(1)
+        full["w"].mul_(2)
+
+        def die(self, src, dst):
+            os._exit(0)
+
+        SharedMemoryRunner._copy = die  # the trainer exits once the readers hold its export
+        side.refit(2)
+        return {}
+    target = {"w": torch.zeros(lay_dst["w"].local_shape(rank - 1))}
+    side = RefitReceiver(target, lay_dst, rank=rank - 1, **common)
+    side.refit()
+    first = torch.equal(target["w"], lay_dst["w"].shard(FULL, rank - 1))
+    try:
+        side.refit()
+        error = None
+    except R.TransferError as e:
+        error = str(e)
+    kept = torch.equal(target["w"], lay_dst["w"].shard(FULL, rank - 1))
+    return {"first": first, "error": error, "kept": kept, "version": side.version}
+
+
+def _report(queue, rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, _trainer_dies(rank, 3, port)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, {"raised": repr(e)}))
+
+
+def test_trainer_dying_while_the_engine_reads_keeps_the_previous_version():
+    import multiprocessing as mp
+
+    from reshard.tools.launch import free_port
+
+    ctx, port = mp.get_context("fork"), free_port()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_report, args=(queue, r, port), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in range(2))  # the engine ranks
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert sorted(results) == [1, 2], results
+    for res in results.values():
+        assert res["first"] and res["error"] and res["kept"] and res["version"] == 1, res
