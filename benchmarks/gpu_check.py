@@ -1057,7 +1057,10 @@ def _ipc_send(to_child, from_child, device: str) -> tuple[str, str]:
     plan, sources = tiny_problem(device, "tp1", "tp1")
     stager = make_stager("library", flat_schedule(plan, IPC_BUDGET), 0, plan_dtypes(plan),
                          device)
-    to_child.put(stager.arenas["pack"])  # shared, not copied
+    arena = stager.arenas["pack"]
+    if not is_cuda(device):  # shared now, not by the queue's feeder thread while we write
+        arena.share_memory_()
+    to_child.put(arena)  # shared, not copied
     t0 = time.perf_counter()
     for msgs in stager.messages("pack"):
         copy_all(stager, "pack", [msgs], sources[0], {})
