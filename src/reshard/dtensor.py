@@ -23,7 +23,6 @@ from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard import errors
 from reshard.comm import Comm
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import (
@@ -31,6 +30,7 @@ from reshard.errors import (
     LayoutError,
     ReshardError,
     TensorMismatchError,
+    error_class,
 )
 from reshard.executor import Executor, local_problem
 from reshard.layout import Layout
@@ -126,10 +126,8 @@ def _raise_if_refused(views: list[tuple[int, tuple[str, str] | None, str | None,
     if problems:
         rank, (kind, problem) = problems[0]
         more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
-        error = getattr(errors, kind, None)
-        if not (isinstance(error, type) and issubclass(error, ReshardError)):
-            error = TensorMismatchError
-        raise error(f"redistribute refused: rank {rank}: {problem}{more}; nothing was moved")
+        raise error_class(kind, TensorMismatchError)(
+            f"redistribute refused: rank {rank}: {problem}{more}; nothing was moved")
     agreed = {a for _, _, a, _ in views}
     if len(agreed) > 1:
         who = {a: [r for r, _, b, _ in views if b == a] for a in agreed}

@@ -32,6 +32,13 @@ class TransferError(ReshardError, RuntimeError):
     """A transfer failed while running (peer lost, timeout, corrupted data)."""
 
 
+def error_class(name: str, default: type[ReshardError]) -> type[ReshardError]:
+    """The error class of this family called ``name`` (as a rank reported it to the
+    others, so that every rank raises the same class), else ``default``."""
+    found = globals().get(name)
+    return found if isinstance(found, type) and issubclass(found, ReshardError) else default
+
+
 class ConfigError(ReshardError, ValueError):
     """An option has a value the library does not accept (method, budget, staging...)."""
 

@@ -70,7 +70,7 @@ class Executor:
         if self.method == COLOCATED:
             from reshard._transport.shm import SharedMemoryRunner
 
-            return SharedMemoryRunner(self.plan, self.comm, dtypes=self.dtypes)
+            return SharedMemoryRunner(self.plan, self.comm)
         return RankRunner(self.schedule, self.comm, dtypes=self.dtypes)
 
     def schedule_key(self) -> tuple[tuple[str, str], ...]:

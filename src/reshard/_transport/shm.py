@@ -22,6 +22,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,8 +50,8 @@ def machine_id() -> str:
 class SharedMemoryRunner:
     """One rank's colocated runs of one plan (exports and mappings kept across runs)."""
 
-    def __init__(self, plan: Plan, comm: Comm, *, dtypes: Mapping[str, torch.dtype]) -> None:
-        self.plan, self.comm, self.rank, self.dtypes = plan, comm, comm.rank, dtypes
+    def __init__(self, plan: Plan, comm: Comm) -> None:
+        self.plan, self.comm, self.rank = plan, comm, comm.rank
         self.progress: Callable[[int, int], None] | None = None
         self.deadline: float | None = None  # time.monotonic() by which every wait ends
         self.broken = False
@@ -64,6 +65,9 @@ class SharedMemoryRunner:
         self._total = sum(tr.nbytes for _, tr in self._copies)
         self._reads = {(tr.src_rank, name) for name, tr in self._copies
                        if tr.src_rank != self.rank}
+        # what other ranks read of this rank's tensors: exported (never anything else)
+        self._exports = sorted({t.name for t in plan.tensors for tr in t.transfers(self.rank)
+                                if tr.src_rank == self.rank != tr.dst_rank})
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> RunStats:
         """Export what changed, learn the others' exports, copy this rank's regions."""
@@ -85,12 +89,11 @@ class SharedMemoryRunner:
     def _export(self, src: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple], str | None]:
         out: dict[str, tuple] = {}
         try:
-            for t in self.plan.tensors:
-                if self.rank in t.src.rank_set and self._sends(t.name):
-                    tensor = src[t.name]
-                    if not self._unchanged(t.name, tensor):  # first run, or it moved
-                        out[t.name] = _export_spec(tensor)
-                        self._exported[t.name] = _identity(tensor)
+            for name in self._exports:
+                tensor = src[name]
+                if not self._unchanged(name, tensor):  # first run, or it moved
+                    out[name] = _export_spec(tensor)
+                    self._exported[name] = _identity(tensor)
         except Exception as e:  # a source that cannot be read: refused on every rank
             return {}, f"rank {self.rank}: exporting a source tensor failed ({e!r})"
         self.exports += len(out)
@@ -103,11 +106,6 @@ class SharedMemoryRunner:
         held = self._exported.get(name)
         return (held is not None and held[0]() is tensor.untyped_storage()
                 and held[1:] == _identity(tensor)[1:])
-
-    def _sends(self, name: str) -> bool:
-        """Whether another rank reads any of this rank's ``name`` (else no export)."""
-        return any(tr.src_rank == self.rank and tr.dst_rank != self.rank
-                   for tr in self.plan[name].transfers(self.rank))
 
     def _refuse(self, views: list[tuple[str, dict, str | None]]) -> None:
         problems = [p for _, _, p in views if p]
@@ -124,8 +122,6 @@ class SharedMemoryRunner:
         key = (pid, fd, ptr)
         storage = self._storages.get(key)
         if storage is None:
-            if pid == os.getpid():
-                raise TransferError("internal: a rank mapped its own export")
             try:
                 storage = torch.UntypedStorage.from_file(f"/proc/{pid}/fd/{fd}", shared=True,
                                                          nbytes=nbytes)
@@ -166,19 +162,12 @@ class SharedMemoryRunner:
     def _gather(self, obj: Any) -> list[Any]:
         left = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
         try:
-            if left is None:
-                return self.comm.all_gather_object(obj)
-            from datetime import timedelta
-
-            return self.comm.all_gather_object(obj, timedelta(seconds=left))
+            return self.comm.all_gather_object(
+                obj, None if left is None else timedelta(seconds=left))
         except RuntimeError as e:  # a peer died or timed out
             self.broken = True
             raise TransferError(f"rank {self.rank}: colocated transfer failed: "
                                 f"{str(e).splitlines()[0]}") from e
-
-    def release(self) -> None:
-        """Forget every mapping and export (they are made again on the next run)."""
-        self._mapped, self._storages, self._exported = {}, {}, {}
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

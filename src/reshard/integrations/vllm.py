@@ -253,13 +253,15 @@ _READS_WEIGHT_AS_LOADED = ("VocabParallelEmbedding",)
 
 
 def kept_live(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
-                                                                torch.dtype]]) -> set[str]:
+                                                                torch.dtype]],
+              aliases: Mapping[str, Any] | None = None) -> set[str]:
     """The vLLM parameters a refit writes in place: those whose live tensor is their
     checkpoint (logical) form and whose module reads them as they are, decided from what
     vLLM holds now. A module is kept live whole or not at all (vLLM reloads layer by
     layer): norms, embeddings, Mamba ``A`` / ``D`` / ``dt_bias``; not linear layers that
-    vLLM repacks (CPU GEMMs), MoE experts it pads, or a weight tied to an LM head."""
-    shared = _shared_params(model)
+    vLLM repacks (CPU GEMMs), MoE experts it pads, or a tensor other modules hold too
+    (``aliases``, see :func:`tied_aliases`: an embedding tied to an LM head)."""
+    aliases = aliases or {}
     by_module: dict[str, list[str]] = {}
     for name, (mname, _, _, _) in where.items():
         by_module.setdefault(mname, []).append(name)
@@ -268,7 +270,7 @@ def kept_live(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[
         module = model.get_submodule(mname) if mname else model
         if _reads_as_loaded(module) and all(
                 _holds_logical(getattr(module, where[n][1]), where[n]) and
-                id(getattr(module, where[n][1])) not in shared for n in names):
+                n not in aliases for n in names):
             live.update(names)
     return live
 
@@ -281,16 +283,6 @@ def _reads_as_loaded(module: torch.nn.Module) -> bool:
 def _holds_logical(live: Any, entry: tuple[str, str, tuple[int, ...], torch.dtype]) -> bool:
     return (isinstance(live, torch.Tensor) and not live.is_meta
             and tuple(live.shape) == entry[2] and live.dtype == entry[3])
-
-
-def _shared_params(model: torch.nn.Module) -> set[int]:
-    """ids of parameters that more than one module holds (tied embeddings)."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                seen[id(p)] = seen.get(id(p), 0) + 1
-    return {i for i, n in seen.items() if n > 1}
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:
@@ -373,7 +365,8 @@ class ReshardState:
         if odd:
             raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
         self.live_names = kept_live(self.model,
-                                    {n: self.where[n] for n in self.mapping.param_shapes})
+                                    {n: self.where[n] for n in self.mapping.param_shapes},
+                                    self.aliases)
         self.live = {n: self._param(n).data for n in sorted(self.live_names)}
         self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
                         if n not in self.live_names}

@@ -15,9 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from reshard import errors
 from reshard.comm import Comm
-from reshard.errors import FingerprintMismatchError, PlanError, ReshardError
+from reshard.errors import FingerprintMismatchError, PlanError, ReshardError, error_class
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 
@@ -163,10 +162,7 @@ def _agree(views: list[tuple[int, str | None, tuple[str, str] | None]]) -> None:
     problems = [(r, p) for r, _, p in views if p]
     if problems:
         r, (kind, p) = problems[0]
-        error = getattr(errors, kind, None)
-        if not (isinstance(error, type) and issubclass(error, ReshardError)):
-            error = PlanError
-        raise error(f"rank {r} could not plan: {p}; nothing was moved")
+        raise error_class(kind, PlanError)(f"rank {r} could not plan: {p}; nothing was moved")
     prints = {fp for _, fp, _ in views}
     if len(prints) > 1:
         who = {fp: [r for r, f, _ in views if f == fp] for fp in prints}
