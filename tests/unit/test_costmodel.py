@@ -74,7 +74,7 @@ def test_invariants_on_random_layouts(pair, domain, collectives, shared):
     assert loads.intra_in.sum() + loads.nic_in.sum() == sent
     assert sim.network_bytes == inter_domain_lower_bound(plan, sim.ranks.topology())
     assert p["reshard"].loads.nic_in.sum() == pytest.approx(sim.network_bytes)
-    for method in ("p2p", "reshard", "gather_broadcast"):
+    for method in ("p2p", "reshard", "gather_broadcast", "nemo_broadcast", "nemo_hybrid"):
         assert p[method].seconds >= sim.lower_bound_s * (1 - 1e-9), method
 
 
@@ -82,7 +82,7 @@ def test_invariants_on_random_layouts(pair, domain, collectives, shared):
 
 def _tiny_cluster(**kw) -> Cluster:
     base = dict(name="tiny", gpus_per_domain=2, intra_gb_per_s=10.0, nic_gb_per_s=1.0,
-                intra_latency_s=0.0, nic_latency_s=0.0, op_latency_s=0.0)
+                intra_latency_s=0.0, nic_latency_s=0.0, op_latency_s=0.0, ring_step_bytes=0)
     return Cluster(**{**base, **kw})
 
 
@@ -206,7 +206,8 @@ def test_simulate_command_json(capsys):
                "tp2,dp2", "--cluster", "custom:domain=2", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["predictions"]) == {"gather_broadcast", "p2p", "reshard"}
+    assert set(out["predictions"]) == {"gather_broadcast", "p2p", "reshard", "nemo_broadcast",
+                                       "nemo_hybrid"}
     assert out["plan_stats"]["bytes_sent"] > 0
     reshard = out["predictions"]["reshard"]
     assert reshard["seconds"] >= out["lower_bound_s"] > 0

@@ -15,6 +15,11 @@ behaviour (never fitted to the refit results it is later compared with):
   InfiniBand NIC (~45-48 GB/s); we take the low end.
 * Latency: NCCL's tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol):
   8.4 us base latency per operation, 3.4 us per NVLink hop, 9.6 us per network hop.
+* Ring pipeline step: NCCL's Simple protocol moves a ring's data in steps of
+  ``NCCL_BUFFSIZE`` / ``NCCL_STEPS`` = 4 MiB / 8 = 512 KiB per channel (NCCL defaults,
+  src/init.cc and src/include/device.h); a broadcast only ever uses the ring algorithm.
+* GPU memory (NeMo RL's broadcast buffers are 2% of it): H100 SXM 80 GB (H100
+  datasheet); GB200 186 GB HBM3e per GPU (13.4 TB over 72 GPUs, GB200 NVL72 datasheet).
 
 The ``emulated`` cluster describes this repository's emulated nodes (network namespaces
 joined by rate-limited veth links, see :mod:`reshard.tools.netns`); its constants are measured
@@ -58,6 +63,12 @@ class Cluster:
     """Whose collective algorithms gather_broadcast uses: ``nccl`` (pipelined ring
     broadcast, one ring channel per NIC) or ``gloo`` (ring all-gather over one TCP
     connection per neighbour, binomial-tree broadcast, store and forward)."""
+    ring_step_bytes: int = 512 * 1024
+    """One pipeline step of an NCCL ring (Simple protocol: ``NCCL_BUFFSIZE`` 4 MiB over
+    ``NCCL_STEPS`` 8): each hop of a ring broadcast holds a whole step before forwarding
+    it, so a long ring fills for one step per hop before its bandwidth counts."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU (NeMo RL sizes its broadcast buffers from it); None: unknown."""
     shared_intra_gb_per_s: float | None = None
     """Cap on all intra-domain traffic of the whole cluster at once (the emulated nodes'
     loopback copies share the host's CPU cores); None on real hardware."""
@@ -78,6 +89,12 @@ class Cluster:
         if self.shared_intra_gb_per_s is not None and not self.shared_intra_gb_per_s > 0:
             raise ClusterError(f"cluster {self.name!r}: shared_intra_gb_per_s must be > 0 or "
                                f"None, got {self.shared_intra_gb_per_s!r}")
+        if not isinstance(self.ring_step_bytes, int) or self.ring_step_bytes < 0:
+            raise ClusterError(f"cluster {self.name!r}: ring_step_bytes must be an int >= 0, "
+                               f"got {self.ring_step_bytes!r}")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ClusterError(f"cluster {self.name!r}: gpu_memory_gb must be > 0 or None, "
+                               f"got {self.gpu_memory_gb!r}")
         if self.collectives not in COLLECTIVES:
             raise ClusterError(f"cluster {self.name!r}: collectives must be one of "
                                f"{COLLECTIVES}, got {self.collectives!r}")
@@ -153,10 +170,12 @@ _NCCL_LATENCY = "NCCL src/graph/tuning.cc ring/Simple latencies"
 CLUSTERS: dict[str, Cluster] = {
     "dgx-h100": Cluster(
         name="dgx-h100", gpus_per_domain=8, intra_gb_per_s=450.0, nic_gb_per_s=45.0,
+        gpu_memory_gb=80.0,
         source="H100 SXM NVLink 4 (450 GB/s/dir), 8x ConnectX-7 400 Gb/s (45 GB/s "
                f"effective); {_NCCL_LATENCY}"),
     "gb200-nvl72": Cluster(
         name="gb200-nvl72", gpus_per_domain=72, intra_gb_per_s=900.0, nic_gb_per_s=45.0,
+        gpu_memory_gb=186.0,
         source="GB200 NVLink 5 (900 GB/s/dir), one 400 Gb/s NIC per GPU (45 GB/s "
                f"effective); {_NCCL_LATENCY}"),
     # One measurement of this machine's emulated nodes (500 Mbit/s links, 2 CPU cores);
@@ -170,7 +189,8 @@ _CUSTOM_KEYS = {"domain": "gpus_per_domain", "intra": "intra_gb_per_s",
                 "nic": "nic_gb_per_s", "gpus_per_nic": "gpus_per_nic",
                 "intra_lat_us": "intra_latency_s", "nic_lat_us": "nic_latency_s",
                 "op_lat_us": "op_latency_s", "collectives": "collectives",
-                "shared_intra": "shared_intra_gb_per_s", "name": "name"}
+                "shared_intra": "shared_intra_gb_per_s", "name": "name",
+                "ring_step": "ring_step_bytes", "gpu_memory": "gpu_memory_gb"}
 
 
 def get_cluster(spec: str | Cluster) -> Cluster:

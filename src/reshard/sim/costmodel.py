@@ -1,5 +1,6 @@
 """The cost model: predicted refit time of a plan on a cluster for ``gather_broadcast``,
-``p2p`` and ``reshard``, with the bottleneck link and a lower bound.
+``p2p`` and ``reshard`` (and NeMo RL's own ``nemo_broadcast`` and ``nemo_hybrid``, see
+:mod:`reshard.sim.nemo`), with the bottleneck link and a lower bound.
 
 Everything is computed from per-rank, per-link-class byte loads (NIC out / in per NIC,
 fast links out / in per rank), derived from plan templates once per group of tensors
@@ -23,8 +24,10 @@ groups. Assumptions, stated once:
   the first source rank to every destination rank. With NCCL the broadcast is a
   pipelined ring: each byte crosses each ring link once, so it takes bytes / (slowest
   ring link), where a link between domains gets one channel per NIC the ring has on both
-  sides (a lone root has one NIC). With gloo it is gloo's binomial tree, store and
-  forward, simulated as fluid flows sharing NICs.
+  sides (a lone root has one NIC), plus the ring's fill: every hop holds one NCCL step
+  (``Cluster.ring_step_bytes``) before forwarding it (:func:`reshard.sim.links.ring_fill`).
+  With gloo it is gloo's binomial tree, store and forward, simulated as fluid flows
+  sharing NICs.
 * The lower bound: every byte a destination domain needs and holds nowhere must enter it
   through its NICs; every byte held in one domain only and needed elsewhere must leave
   through that domain's NICs; every rank must receive what it lacks through its fast
@@ -40,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
+from reshard.defaults import DEFAULT_BUDGET_BYTES, SIM_METHODS
 from reshard.errors import ClusterError, ConfigError
 from reshard.planner import gc_paused
+from reshard.sim import nemo
 from reshard.sim.cluster import Cluster, RankMap, get_cluster
+from reshard.sim.links import LinkLoads, Net, Prediction, ring, ring_fill
 from reshard.stats import distinct_shard_slots, tensor_groups
 
 if TYPE_CHECKING:
@@ -52,48 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["LinkLoads", "Prediction", "Simulation",
            "simulate"]
 
-
-
-@dataclass(frozen=True)
-class LinkLoads:
-    """Bytes per link class: NIC out / in per NIC, fast links out / in per rank."""
-
-    nic_out: np.ndarray
-    nic_in: np.ndarray
-    intra_out: np.ndarray
-    intra_in: np.ndarray
-
-    @property
-    def network_bytes(self) -> float:
-        return float(self.nic_in.sum())
-
-    @property
-    def intra_bytes(self) -> float:
-        return float(self.intra_in.sum())
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One method's predicted refit time and what limits it."""
-
-    method: str
-    seconds: float
-    bottleneck: str
-    """The slowest link, in words (link class and rank)."""
-    link: str
-    """Its class: nic_out, nic_in, intra_out, intra_in, intra_shared, or a collective's."""
-    rank: int | None
-    lower_bound_s: float
-    stages: dict[str, float] = field(default_factory=dict)
-    loads: LinkLoads | None = field(default=None, repr=False, compare=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in ("method", "seconds", "bottleneck", "link", "rank",
-                                             "lower_bound_s", "stages")}
-        if self.loads is not None:
-            out["network_bytes"] = self.loads.network_bytes
-            out["intra_bytes"] = self.loads.intra_bytes
-        return out
 
 
 @dataclass(frozen=True)
@@ -116,15 +79,15 @@ class Simulation:
 
 def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None,
              budget_bytes: int = DEFAULT_BUDGET_BYTES,
-             methods: Sequence[str] = METHODS) -> Simulation:
+             methods: Sequence[str] = SIM_METHODS) -> Simulation:
     """Predict the refit time of ``plan`` on ``cluster`` for each of ``methods``.
 
     ``ranks`` places the plan's ranks (default: ``cluster.place`` of its two sides);
     ``budget_bytes`` is the executor's staging budget (rounds and pipeline chunks)."""
     cluster = get_cluster(cluster)
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in SIM_METHODS]
     if unknown:
-        raise ConfigError(f"unknown methods {unknown}; expected some of {METHODS}")
+        raise ConfigError(f"unknown methods {unknown}; expected some of {SIM_METHODS}")
     src_ranks, dst_ranks = plan.ranks()
     if ranks is None:
         ranks = cluster.place(src_ranks, dst_ranks)
@@ -132,7 +95,7 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
                       if r >= len(ranks.domain) or ranks.domain[r] < 0)
     if unplaced:
         raise ClusterError(f"ranks {unplaced[:8]} of the plan have no domain in the rank map")
-    net = _Net(cluster, ranks)
+    net = Net(cluster, ranks)
     with gc_paused():  # many small tuples, no cycles: see reshard.planner
         groups = tensor_groups(plan.tensors)
         bound_s, bound_what, network_bytes = _lower_bound(groups, net)
@@ -140,78 +103,21 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
         model = {"p2p": lambda: _p2p(pairs, net, budget_bytes, bound_s),
                  "reshard": lambda: _reshard(groups, net, budget_bytes, bound_s),
                  "gather_broadcast": lambda: _gather_broadcast(plan, net, budget_bytes,
-                                                               bound_s)}
-        predictions = {m: model[m]() for m in METHODS if m in methods}
+                                                               bound_s),
+                 "nemo_broadcast": lambda: nemo.broadcast_prediction(
+                     plan.tensors, sorted(src_ranks | dst_ranks), net, bound_s,
+                     nemo.buffer_bytes(net, budget_bytes)),
+                 "nemo_hybrid": lambda: _nemo_hybrid(plan, net, budget_bytes, bound_s)}
+        predictions = {m: model[m]() for m in SIM_METHODS if m in methods}
     return Simulation(cluster, ranks, predictions, bound_s, bound_what, network_bytes, pairs)
 
 
 # ------------------------------------------------------------------------------- links
 
-class _Net:
-    """The cluster seen per rank: domain and NIC arrays, link capacities."""
-
-    def __init__(self, cluster: Cluster, ranks: RankMap) -> None:
-        self.cluster = cluster
-        self.domain = ranks.domain
-        self.nic = ranks.nic
-        self.num_ranks = len(ranks.domain)
-        self.num_nics = 1 + max(ranks.nic, default=-1)
-        self.dom_arr = np.asarray(ranks.domain, dtype=np.int64)
-        self.nic_arr = np.asarray(ranks.nic, dtype=np.int64)
-        self.nic_bw = cluster.nic_gb_per_s * 1e9
-        self.intra_bw = cluster.intra_gb_per_s * 1e9
-        shared = cluster.shared_intra_gb_per_s
-        self.shared_bw = None if shared is None else shared * 1e9
-
-    def loads(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> LinkLoads:
-        """Link loads of transfers src[i] -> dst[i] of nbytes[i] (local ones ignored)."""
-        cross = self.dom_arr[src] != self.dom_arr[dst]
-        inside = ~cross & (src != dst)
-        n, k = self.num_ranks, max(self.num_nics, 1)
-        return LinkLoads(
-            np.bincount(self.nic_arr[src[cross]], nbytes[cross], minlength=k),
-            np.bincount(self.nic_arr[dst[cross]], nbytes[cross], minlength=k),
-            np.bincount(src[inside], nbytes[inside], minlength=n),
-            np.bincount(dst[inside], nbytes[inside], minlength=n))
-
-    def nic_ranks(self, nic: int) -> str:
-        members = [r for r, k in enumerate(self.nic) if k == nic]
-        who = f"rank {members[0]}" if len(members) == 1 else \
-            f"ranks {members[0]}..{members[-1]}"
-        return f"{who}, domain {self.domain[members[0]]}"
-
-    def stage(self, loads: LinkLoads, parts: Sequence[str] = ("nic", "intra")
-              ) -> tuple[float, str, str, int | None]:
-        """(seconds, link class, words, rank) of the most loaded link among ``parts``."""
-        c = self.cluster
-        best: tuple[float, str, str, int | None] = (0.0, "none", "nothing to move", None)
-        for cls, arr, bw, who in (
-                ("nic_out", loads.nic_out, self.nic_bw, "nic"),
-                ("nic_in", loads.nic_in, self.nic_bw, "nic"),
-                ("intra_out", loads.intra_out, self.intra_bw, "intra"),
-                ("intra_in", loads.intra_in, self.intra_bw, "intra")):
-            if who not in parts or not arr.size or arr.max() <= 0:
-                continue
-            i = int(arr.argmax())
-            t = float(arr[i]) / bw
-            if t > best[0]:
-                if who == "nic":
-                    words = f"{c.nic_name} {cls[4:]}, {self.nic_ranks(i)}"
-                    rank = next(r for r, k in enumerate(self.nic) if k == i)
-                else:
-                    words = f"{c.intra_name} {cls[6:]}, rank {i} (domain {self.domain[i]})"
-                    rank = i
-                best = (t, cls, words, rank)
-        if "intra" in parts and self.shared_bw is not None:
-            t = float(loads.intra_in.sum()) / self.shared_bw
-            if t > best[0]:
-                best = (t, "intra_shared", f"all {c.intra_name} traffic (shared host)", None)
-        return best
-
 
 # ------------------------------------------------------------------------- lower bound
 
-def _lower_bound(groups, net: _Net) -> tuple[float, str, int]:
+def _lower_bound(groups, net: Net) -> tuple[float, str, int]:
     """(seconds, what binds, bytes that must cross the network)."""
     dom = net.domain
     need_in: dict[int, float] = {}
@@ -250,7 +156,7 @@ def _lower_bound(groups, net: _Net) -> tuple[float, str, int]:
     return seconds, what, int(sum(need_in.values()))
 
 
-def _nics_per_domain(net: _Net) -> dict[int, int]:
+def _nics_per_domain(net: Net) -> dict[int, int]:
     seen: dict[int, set[int]] = {}
     for d, k in zip(net.domain, net.nic):
         if d >= 0:
@@ -291,7 +197,7 @@ def _rounds(per_rank: np.ndarray, budget: float) -> int:
     return max(1, ceil(float(per_rank.max(initial=0)) / max(budget, 1)))
 
 
-def _p2p(pairs, net: _Net, budget: int, bound: float) -> Prediction:
+def _p2p(pairs, net: Net, budget: int, bound: float) -> Prediction:
     src, dst, nbytes = pairs
     loads = net.loads(src, dst, nbytes)
     staged = np.bincount(src, nbytes, minlength=net.num_ranks) + \
@@ -331,7 +237,7 @@ def _fill(loads: list[float], cands: Sequence[int], amount: float) -> list[float
     return shares
 
 
-def _reshard_loads(groups, net: _Net) -> tuple[list[np.ndarray], float]:
+def _reshard_loads(groups, net: Net) -> tuple[list[np.ndarray], float]:
     """Per-rank bytes (network out, network in, forward out, forward in) of the
     domain-aware schedule, and its largest region; regions are taken largest first, as
     :func:`reshard.topology.domain_schedule` does."""
@@ -364,7 +270,7 @@ def _reshard_loads(groups, net: _Net) -> tuple[list[np.ndarray], float]:
     return [np.asarray(x) for x in (net_out, net_in, fwd_out, fwd_in)], largest
 
 
-def _reshard(groups, net: _Net, budget: int, bound: float) -> Prediction:
+def _reshard(groups, net: Net, budget: int, bound: float) -> Prediction:
     (net_out, net_in, fwd_out, fwd_in), largest = _reshard_loads(groups, net)
     placed = net.nic_arr >= 0
     nic, k = net.nic_arr[placed], max(net.num_nics, 1)
@@ -449,43 +355,8 @@ def _held_per_slot(layout, cache: dict[Any, np.ndarray]) -> np.ndarray:
     return found
 
 
-def _ring(members: list[int], closed: bool, net: _Net) -> tuple[float, tuple, list]:
-    """(bandwidth B/s, (link class, slowest link, its rank), links) of a ring (``closed``)
-    or a chain over ``members`` in that order. NCCL runs one channel per NIC the ring has
-    in a domain, so a link between domains carries min(NICs on either side) x NIC
-    bandwidth; gloo runs one TCP flow per link, and flows through one NIC share it."""
-    links = list(zip(members, members[1:]))
-    if closed and len(members) > 1:
-        links.append((members[-1], members[0]))
-    dom, nic, c = net.domain, net.nic, net.cluster
-    nics: dict[int, set[int]] = {}
-    for r in members:
-        nics.setdefault(dom[r], set()).add(nic[r])
-    flows_out: dict[int, int] = {}
-    flows_in: dict[int, int] = {}
-    for a, b in links:
-        if dom[a] != dom[b]:
-            flows_out[nic[a]] = flows_out.get(nic[a], 0) + 1
-            flows_in[nic[b]] = flows_in.get(nic[b], 0) + 1
-    num_intra = sum(dom[a] == dom[b] for a, b in links)
-    best, label = float("inf"), ("none", "no link", None)
-    for a, b in links:
-        if dom[a] == dom[b]:
-            bw = net.intra_bw if net.shared_bw is None else min(net.intra_bw,
-                                                                  net.shared_bw / num_intra)
-            kind = c.intra_name
-        elif c.collectives == "nccl":
-            k = min(len(nics[dom[a]]), len(nics[dom[b]]))
-            bw, kind = k * net.nic_bw, f"{k} {c.nic_name}(s) between domains"
-        else:
-            k = max(flows_out[nic[a]], flows_in[nic[b]])
-            bw, kind = net.nic_bw / k, f"{c.nic_name} shared by {k} flow(s)"
-        if bw < best:
-            best, label = bw, (kind, f"rank {a} -> rank {b}", a)
-    return best, label, links
 
-
-def _tree(members: list[int], root: int, net: _Net) -> tuple[float, tuple, list]:
+def _tree(members: list[int], root: int, net: Net) -> tuple[float, tuple, list]:
     """gloo's binomial-tree broadcast as fluid flows: (seconds per byte, busiest link,
     links). Virtual rank v (root 0) receives from v with its highest set bit cleared, then
     posts all its sends at once; concurrent flows share each NIC direction and fast link
@@ -523,14 +394,14 @@ def _tree(members: list[int], root: int, net: _Net) -> tuple[float, tuple, list]
     return t, _resource_words(busiest, net), links
 
 
-def _flow_resources(a: int, b: int, net: _Net) -> list[tuple]:
+def _flow_resources(a: int, b: int, net: Net) -> list[tuple]:
     if net.domain[a] != net.domain[b]:
         return [("out", net.nic[a]), ("in", net.nic[b])]
     shared = [("sh", 0)] if net.shared_bw is not None else []
     return [("io", a), ("ii", b), *shared]
 
 
-def _resource_words(res: tuple | None, net: _Net) -> tuple[str, str, int | None]:
+def _resource_words(res: tuple | None, net: Net) -> tuple[str, str, int | None]:
     c = net.cluster
     if res is None:
         return "none", "no link", None
@@ -543,12 +414,12 @@ def _resource_words(res: tuple | None, net: _Net) -> tuple[str, str, int | None]
     return f"{c.intra_name} {'out' if kind == 'io' else 'in'}", f"rank {idx}", idx
 
 
-def _bucket_cost(src: tuple[int, ...], dst: frozenset[int], net: _Net) -> _BucketCost:
+def _bucket_cost(src: tuple[int, ...], dst: frozenset[int], net: Net) -> _BucketCost:
     c, dom = net.cluster, net.domain
     root = min(src)
     nccl = c.collectives == "nccl"
     gather = sorted(src, key=lambda r: (dom[r], r)) if nccl else sorted(src)
-    g_bw, g_label, g_links = (_ring(gather, True, net) if len(src) > 1
+    g_bw, g_label, g_links = (ring(gather, True, net) if len(src) > 1
                               else (1.0, ("none", "", None), []))
     g_hops = len(src) - 1
     crosses = len({dom[r] for r in src}) > 1
@@ -560,10 +431,9 @@ def _bucket_cost(src: tuple[int, ...], dst: frozenset[int], net: _Net) -> _Bucke
     elif nccl:
         chain = [root] + sorted(set(group) - {root},
                                 key=lambda r: (dom[r] != dom[root], dom[r], r))
-        bw, b_label, b_links = _ring(chain, False, net)
+        bw, b_label, b_links = ring(chain, False, net)
         b_per = 1.0 / bw
-        b_lat = c.op_latency_s + sum(c.intra_latency_s if dom[a] == dom[b] else c.nic_latency_s
-                                     for a, b in b_links)
+        b_lat = c.op_latency_s + ring_fill(b_links, net)
     else:
         b_per, b_label, b_links = _tree(group, group.index(root), net)
         b_lat = c.op_latency_s + ceil(np.log2(len(group))) * c.nic_latency_s
@@ -572,7 +442,7 @@ def _bucket_cost(src: tuple[int, ...], dst: frozenset[int], net: _Net) -> _Bucke
                        g_label, g_links, b_per, b_lat, b_label, b_links)
 
 
-def _gather_broadcast(plan: Plan, net: _Net, budget: int, bound: float) -> Prediction:
+def _gather_broadcast(plan: Plan, net: Net, budget: int, bound: float) -> Prediction:
     """Buckets in order; a rank runs its buckets one after another (all-gather, then
     broadcast), so buckets of disjoint rank sets overlap and the rest queue."""
     free = np.zeros(net.num_ranks)
@@ -612,7 +482,7 @@ def _gather_broadcast(plan: Plan, net: _Net, budget: int, bound: float) -> Predi
                       bound, stage, _gather_broadcast_loads(costs.values(), net))
 
 
-def _gather_broadcast_loads(costs, net: _Net) -> LinkLoads:
+def _gather_broadcast_loads(costs, net: Net) -> LinkLoads:
     src: list[int] = []
     dst: list[int] = []
     amount: list[float] = []
@@ -625,3 +495,17 @@ def _gather_broadcast_loads(costs, net: _Net) -> LinkLoads:
                 amount.append(nbytes)
     return net.loads(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
                      np.asarray(amount, dtype=np.float64))
+
+
+# ------------------------------------------------------------------------- nemo_hybrid
+
+def _nemo_hybrid(plan: Plan, net: Net, budget: int, bound: float) -> Prediction:
+    """NeMo RL's hybrid (:mod:`reshard.sim.nemo`): the FFN weights through reshard's
+    domain-aware path, then the rest through NeMo RL's packed broadcast over every rank."""
+    bulk, misc = nemo.split_bulk(plan.tensors)
+    src_ranks, dst_ranks = plan.ranks()
+    bulk_pred = _reshard(tensor_groups(bulk), net, budget, bound)
+    misc_pred = nemo.broadcast_prediction(misc, sorted(src_ranks | dst_ranks), net, bound,
+                                          nemo.buffer_bytes(net, budget))
+    bulk_bytes = float(sum(t.src.numel * t.dst.itemsize for t in bulk))
+    return nemo.hybrid_prediction(bulk_pred, misc_pred, bulk_bytes, bound)

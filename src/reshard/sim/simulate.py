@@ -7,9 +7,10 @@ The command ``reshard simulate`` (:mod:`reshard.tools.simulate_cmd`) prints them
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
+from reshard.defaults import DEFAULT_BUDGET_BYTES, SIM_METHODS
 from reshard.errors import ConfigError
 from reshard.sim.cluster import get_cluster
 from reshard.sim.costmodel import Simulation, simulate
@@ -21,7 +22,8 @@ _LINKS = (("nic_out", "NIC out"), ("nic_in", "NIC in"), ("intra_out", "fast out"
 
 
 def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-             dst_dtype: str | None = None, separate: bool = True) -> dict[str, Any]:
+             dst_dtype: str | None = None, separate: bool = True,
+             methods: Sequence[str] = SIM_METHODS) -> dict[str, Any]:
     """Plan ``model`` (a ModelSpec) from ``src`` to ``dst`` and simulate it on ``cluster``;
     returns the plan, the simulation and the timings."""
     from reshard import planner
@@ -36,7 +38,7 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
     plan = planner.plan(src_layouts, dst_layouts, allow_cast=dst_dtype is not None)
     t1 = time.perf_counter()
     ranks = cluster.place(*plan.ranks(), separate=separate)
-    sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes)
+    sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes, methods=methods)
     t2 = time.perf_counter()
     return {"plan": plan, "sim": sim, "plan_seconds": t1 - t0, "simulate_seconds": t2 - t1}
 
@@ -49,7 +51,8 @@ SWEEP_MODELS = ("llama-3.1-8b", "qwen3-30b-a3b", "llama-3.1-70b", "qwen3-235b-a2
 
 def sweep(kind: str, src: str, dst: str, cluster, *, model: str | None = None,
           budget_bytes: int = DEFAULT_BUDGET_BYTES, dst_dtype: str | None = None,
-          dtype: str = "bfloat16") -> list[dict[str, Any]]:
+          dtype: str = "bfloat16", methods: Sequence[str] = SIM_METHODS
+          ) -> list[dict[str, Any]]:
     """Predicted times over model size (``kind="model"``: the presets that the two specs
     fit) or over cluster size (``kind="cluster"``: the inference side's dp doubled from 1
     up to its value in ``dst``, or up to 16 when it is 1)."""
@@ -74,7 +77,8 @@ def sweep(kind: str, src: str, dst: str, cluster, *, model: str | None = None,
     for name, s, d in cases:
         spec = preset(name, dtype=dtype)
         try:
-            case = run_case(spec, s, d, cluster, budget_bytes=budget_bytes, dst_dtype=dst_dtype)
+            case = run_case(spec, s, d, cluster, budget_bytes=budget_bytes, dst_dtype=dst_dtype,
+                            methods=methods)
         except LayoutError as e:
             out.append({"model": name, "src": s, "dst": d, "skipped": str(e)})
             continue
@@ -159,7 +163,7 @@ def plot_sweep(rows: list[dict[str, Any]], kind: str, path: str, *, title: str =
     rows = [r for r in rows if "skipped" not in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["model_bytes"] / 1e9 if kind == "model" else r["gpus"] for r in rows]
-    for m in [*METHODS, "lower_bound_s"]:
+    for m in [*(m for m in SIM_METHODS if rows and m in rows[0]), "lower_bound_s"]:
         ax.plot(x, [r[m] for r in rows], marker="o",
                 label="lower bound" if m == "lower_bound_s" else m,
                 ls="--" if m == "lower_bound_s" else "-")

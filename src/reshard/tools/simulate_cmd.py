@@ -10,7 +10,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from reshard.defaults import METHODS
+from reshard.defaults import SIM_METHODS
 from reshard.sim.cluster import CLUSTERS, get_cluster
 from reshard.sim.costmodel import Simulation
 from reshard.sim.simulate import plot_simulation, plot_sweep, run_case, sweep
@@ -40,7 +40,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _cmd_sweep(args, cluster, budget)
     model = _model(args)
     case = run_case(model, args.src, args.dst, cluster, budget_bytes=budget,
-                    dst_dtype=args.dst_dtype, separate=not args.shared_domains)
+                    dst_dtype=args.dst_dtype, separate=not args.shared_domains,
+                    methods=_methods(args))
     sim: Simulation = case["sim"]
     if args.plot:
         plot_simulation(sim, args.plot, title=f"{model.name}: {args.src} -> {args.dst} on "
@@ -75,9 +76,19 @@ def _model(args: argparse.Namespace):
         raise SystemExit(f"reshard: error: {e}") from None
 
 
+def _methods(args: argparse.Namespace) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in names if m not in SIM_METHODS]
+    if unknown or not names:
+        raise SystemExit(f"reshard: error: --methods expects some of {', '.join(SIM_METHODS)}, "
+                         f"got {args.methods!r}")
+    return names
+
+
 def _cmd_sweep(args: argparse.Namespace, cluster, budget: int) -> int:
+    methods = _methods(args)
     rows = sweep(args.sweep, args.src, args.dst, cluster, model=args.model, budget_bytes=budget,
-                 dst_dtype=args.dst_dtype, dtype=args.dtype)
+                 dst_dtype=args.dst_dtype, dtype=args.dtype, methods=methods)
     if args.plot:
         plot_sweep(rows, args.sweep, args.plot, title=f"{args.src} -> {args.dst} on "
                                                        f"{cluster.name}")
@@ -90,9 +101,9 @@ def _cmd_sweep(args: argparse.Namespace, cluster, budget: int) -> int:
             table.append([r["model"], r["dst"], "", "", "", "", f"skipped: {r['skipped']}"])
             continue
         table.append([r["model"], r["dst"], str(r["gpus"]), _gb(r["model_bytes"]),
-                      *(f"{r[m]:.3f}" for m in METHODS), f"{r['lower_bound_s']:.3f}"])
+                      *(f"{r[m]:.3f}" for m in methods), f"{r['lower_bound_s']:.3f}"])
     print_table(f"sweep over {args.sweep} size on {cluster.name} (seconds)",
-           ["model", "dst", "GPUs", "size", *METHODS, "lower bound"], table)
+           ["model", "dst", "GPUs", "size", *methods, "lower bound"], table)
     return 0
 
 
@@ -113,6 +124,9 @@ def register(subparsers) -> None:
     s.add_argument("--shared-domains", action="store_true",
                    help="rank r sits in domain r // domain size (default: trainer and "
                         "inference fill separate domains)")
+    s.add_argument("--methods", default=",".join(SIM_METHODS),
+                   help="comma-separated methods to predict (default: all of "
+                        f"{', '.join(SIM_METHODS)})")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the byte matrix and link loads (or the sweep) to FILE.png")
