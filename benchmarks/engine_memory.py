@@ -9,14 +9,16 @@ job of the integration tests (2 gloo ranks, FSDP2, AdamW) and takes 3 refits. Pe
 * in place: parameters written straight into the live model (no logical buffer);
 * buffers: logical buffers of the parameters vLLM repacks or pads (committed through
   vLLM's layerwise reload); shadow: the never-torn copy of what is written in place;
-* staging arena: the transfer's staging (peak);
-* accounted peak: buffers + shadow + the larger of the staging arena and the commit's
-  transient (see :func:`accounted_peak`);
+* staging arena: the transfer's staging (peak); commit transient: what a commit holds
+  beyond the buffers (``commit_transient_bytes``, see :func:`accounted_peak`);
+* accounted rise: the larger of the two, what a refit adds while it runs; measured rise:
+  each refit's peak resident memory above the resident memory as that refit began;
+* accounted peak: buffers + shadow + the accounted rise;
 * measured peak: each refit's peak resident memory (``VmHWM``, restarted with
   ``clear_refs`` as the refit begins) minus the resident memory when the refit state
   began, over 3 refits; measured after: resident memory after the last refit, likewise.
 
-    .venv/bin/python benchmarks/engine_memory.py [--json]
+    .venv/bin/python benchmarks/engine_memory.py [--json | --markdown]
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ def run_case(model_dir: Path, staging: str, work: Path) -> dict:
 def accounted_peak(info: dict, staging_bytes: int) -> int:
     """The peak extra memory the tensors account for: the buffers and the shadow all
     along, plus the larger of the transfer's staging arena (while receiving) and the
-    commit's transient -- a second copy of every repacked kernel (vLLM 0.32's layerwise
-    reload keeps the old ones until it finishes, as measured here) and one
-    materialized layer."""
-    commit = info["buffer_bytes"] + info["commit_layer_bytes"] if info["buffered"] else 0
-    return info["extra_bytes"] + max(staging_bytes, commit)
+    commit's transient (``commit_transient_bytes`` in ``reshard_info``: the old packed
+    kernel of every repacked linear, which vLLM 0.32's layerwise reload keeps until it
+    finishes, plus the largest reloaded layer; an MoE expert module holds its
+    materialized weights and its new prepacked copy at once, its old copy already freed)."""
+    return info["extra_bytes"] + max(staging_bytes, info["commit_transient_bytes"])
 
 
 def rows(results: dict) -> list[list[str]]:
@@ -99,18 +101,25 @@ def rows(results: dict) -> list[list[str]]:
         for rank, info in enumerate(res["info"]):
             staging_bytes = res["last"][rank]["staging_bytes"]
             peaks = [step[rank]["peak_rss_extra"] for step in res["lasts"]]
+            # each refit's own rise: its peak above the resident memory as it began
+            rises = [step[rank]["peak_rss_extra"] - step[rank]["rss_extra_start"]
+                     for step in res["lasts"]]
             out.append([model, staging, str(rank), mib(info["weight_bytes"]),
                         mib(info["expected_bytes"]), mib(info["in_place_bytes"]),
                         mib(info["buffer_bytes"]), mib(info["shadow_bytes"]),
                         f"{info['extra_bytes'] / info['expected_bytes']:.2f}x",
-                        mib(staging_bytes), mib(accounted_peak(info, staging_bytes)),
+                        mib(staging_bytes), mib(info["commit_transient_bytes"]),
+                        mib(max(staging_bytes, info["commit_transient_bytes"])),
+                        f"{mib(min(rises))}-{mib(max(rises))}",
+                        mib(accounted_peak(info, staging_bytes)),
                         f"{mib(min(peaks))}-{mib(max(peaks))}",
                         mib(res["lasts"][-1][rank]["rss_extra"])])
     return out
 
 
 HEADERS = ["model", "staging", "rank", "weights", "received", "in place", "buffers",
-           "shadow", "(buffers+shadow) / received", "staging arena", "accounted peak",
+           "shadow", "(buffers+shadow) / received", "staging arena", "commit transient",
+           "accounted rise", "measured rise", "accounted peak",
            "measured peak (3 refits)", "measured after"]
 
 

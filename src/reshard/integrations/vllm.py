@@ -398,19 +398,29 @@ class ReshardState:
                 "in_place_bytes": nbytes(self.live.values()),
                 "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
                 "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
-                "commit_layer_bytes": self._largest_reloaded_layer(),
+                "commit_transient_bytes": self._commit_transient(),
                 "rss_extra": _rss_bytes() - self.rss_at_init}
 
-    def _largest_reloaded_layer(self) -> int:
-        """Logical bytes of the largest layer a commit reloads (vLLM's layerwise reload
-        materializes one layer at a time; measured on vLLM 0.32 CPU, it also keeps
-        every old repacked kernel until the reload finishes: a commit's transient is
-        about the buffers' bytes plus this, see ``benchmarks/engine_memory.py``)."""
-        per_module: dict[str, int] = {}
+    def _commit_transient(self) -> int:
+        """Bytes a commit holds beyond the buffers, at its peak, as vLLM 0.32 CPU's
+        layerwise reload behaves (traced per reloaded parameter with ``VmRSS``, see
+        ``benchmarks/engine_memory.py``):
+
+        * a repacked linear (GEMM) keeps its old packed kernel until the reload ends, so
+          every such buffer is held twice;
+        * MoE experts lose their old prepacked copy when the commit resets the expert
+          kernel (:func:`_reset_moe_kernels`), and each expert module, when reloaded,
+          holds its materialized weights and the new prepacked copy at once;
+        * layers are reloaded one at a time: on top of the kept kernels, the largest
+          layer's materialized weights (times two for experts)."""
+        kept, per_module = 0, {}
         for name, buf in self.buffers.items():
-            module = self.where[name][0]
-            per_module[module] = per_module.get(module, 0) + buf.numel() * buf.element_size()
-        return max(per_module.values(), default=0)
+            mname, n = self.where[name][0], buf.numel() * buf.element_size()
+            module = self.model.get_submodule(mname) if mname else self.model
+            experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
+            kept += 0 if experts else n
+            per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
+        return kept + max(per_module.values(), default=0)
 
     def status(self) -> dict[str, Any]:
         """The live version and whether the weights may be torn (``stale``: a refit with
@@ -422,6 +432,7 @@ class ReshardState:
         committed, ``last`` says why)."""
         t0 = time.perf_counter()
         self.measured_peak = _reset_peak_rss()  # this refit's own peak
+        rss_start = _rss_bytes() - self.rss_at_init
         try:
             stats = self.receiver.refit()
         except Exception as e:
@@ -435,7 +446,7 @@ class ReshardState:
                      "receive_seconds": stats.seconds, "bytes_received": stats.bytes_received,
                      "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
                      "expected_bytes": self.expected_bytes, "committed": False,
-                     "staging_bytes": stats.peak_staging_bytes,
+                     "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
                      "peak_rss_extra_receive": self._peak_extra()}
         return self.last
 
