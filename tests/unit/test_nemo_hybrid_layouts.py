@@ -78,3 +78,36 @@ def test_the_split_and_the_plans(bench):
     assert len(plans["bulk"]) + len(plans["misc"]) == len(plans["all"])
     stats = plans["all"].stats()
     assert stats.dst_bytes == plans["bulk"].stats().dst_bytes + plans["misc"].stats().dst_bytes
+
+
+def test_the_layouts_agree_with_the_megatron_integration(bench):
+    """The benchmark's layouts and :mod:`reshard.integrations.megatron`'s rules were
+    written independently; both say the same pieces for every rank."""
+    from reshard.integrations.megatron import Coords, hf_entries
+
+    m = bench.Shape()
+    layouts = bench.megatron_layouts(m)
+    local_experts = m.experts // bench.TP
+    for layer in (0, 3):
+        for t, rank in enumerate(bench._stage_ranks(layer, m)):
+            c = Coords(hidden=m.hidden, heads=m.heads, groups=m.groups, head_dim=m.head_dim,
+                       vocab=m.vocab, tp_rank=t, tp_size=bench.TP, ep_rank=t,
+                       ep_size=bench.TP, local_experts=local_experts)
+            qkv = (m.groups // bench.TP * (m.heads // m.groups + 2) * m.head_dim, m.hidden)
+            names = [(f"decoder.layers.{layer}.self_attention.linear_qkv.weight", qkv),
+                     (f"decoder.layers.{layer}.self_attention.linear_proj.weight",
+                      (m.hidden, m.heads * m.head_dim // bench.TP))]
+            if layer == 0:
+                names.append(("decoder.layers.0.mlp.linear_fc1.weight",
+                              (2 * m.dense_inter // bench.TP, m.hidden)))
+            else:
+                names += [(f"decoder.layers.{layer}.mlp.experts.local_experts.{i}."
+                           f"linear_fc{k}.weight", shape)
+                          for i in range(local_experts)
+                          for k, shape in ((1, (2 * m.moe_inter, m.hidden)),
+                                           (2, (m.hidden, m.moe_inter)))]
+            for name, shape in names:
+                for entry in hf_entries(name, shape, c):
+                    layout = layouts[entry.name]
+                    assert layout.shape == entry.shape and layout.view(rank) == entry.view, \
+                        (name, entry.name, rank)
