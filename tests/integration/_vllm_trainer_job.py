@@ -1,6 +1,7 @@
 """The trainer job of the vLLM refit tests (and a template for a real one)::
 
     python _vllm_trainer_job.py MODEL_DIR PORT OUT_DIR --shard fsdp|tp --steps N [--fail-at K]
+        [--inference-size TP]
 
 Two gloo ranks load a transformers model (float32 master weights), shard it with FSDP2
 or tensor parallelism, and take ``N`` AdamW steps on a fixed token batch. After each
@@ -50,14 +51,15 @@ def batch(step: int, vocab: int) -> torch.Tensor:
 
 
 def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shard: str,
-            steps: int, fail_at: int, lr: float, method: str = "reshard") -> list[dict]:
+            steps: int, fail_at: int, lr: float, method: str = "reshard",
+            inference_size: int = 2) -> list[dict]:
     torch.manual_seed(0)
     model = hf.load_model(model_dir, torch.float32)
     (hf.shard_fsdp2 if shard == "fsdp" else hf.shard_tp)(model)
     params, layouts = hf.refit_params(model)
     params = FailingParams(params, fail_at)
     sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
-                         trainer_size=world, inference_size=2,
+                         trainer_size=world, inference_size=inference_size,
                          policy={name: method for name in layouts},
                          timeout=timedelta(seconds=120))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
@@ -94,10 +96,11 @@ def main() -> None:
     ap.add_argument("--fail-at", type=int, default=-1)
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--method", default="reshard", help="every tensor's refit method")
+    ap.add_argument("--inference-size", type=int, default=2, help="vLLM's TP size")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     logs = run_processes(trainer, 2, a.model_dir, a.port, a.out_dir, a.shard, a.steps,
-                         a.fail_at, a.lr, a.method, timeout=300)
+                         a.fail_at, a.lr, a.method, a.inference_size, timeout=300)
     print(json.dumps(logs), flush=True)
 
 

@@ -1,8 +1,9 @@
 """The trainer side with Hugging Face transformers: tiny models and their sharding.
 
-* :func:`tiny_config` / :func:`build_tiny_model`: a small random Qwen3 or Qwen3-MoE model
-  built locally (no hub access) and saved with ``save_pretrained`` (bf16 safetensors),
-  ``head_dim`` >= 32 so that vLLM's CPU attention accepts it.
+* :func:`tiny_config` / :func:`build_tiny_model`: a small random model (Qwen3, Qwen3-MoE,
+  Llama, Qwen2, Mistral, Gemma 3 text, DeepSeek-V3, NemotronH) built locally (no hub
+  access) and saved with ``save_pretrained`` (bf16 safetensors), ``head_dim`` >= 32 so
+  that vLLM's CPU attention accepts it.
 * :func:`shard_fsdp2`: FSDP2 (``fully_shard`` on every decoder layer, then the root).
 * :func:`shard_tp`: tensor parallelism with ``parallelize_module`` (q/k/v/gate/up
   column-parallel, o/down row-parallel; ``q_norm``/``k_norm`` replicated with their
@@ -43,7 +44,8 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
     """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads (Qwen2
     derives its head size from the hidden size: hidden 128 there, as vLLM's CPU attention
     rejects heads of 16). Kinds: ``qwen3``, ``qwen3_moe``, ``llama``, ``qwen2`` (q/k/v
-    biases)."""
+    biases), ``mistral``, ``gemma3`` (text), ``deepseek_v3`` (MLA + MoE), ``nemotron_h``
+    (Mamba2 hybrid)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +62,58 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
         return LlamaConfig(**{**common, **overrides})
     if kind == "qwen2":
         return Qwen2Config(**{**common, "hidden_size": 128, **overrides})
+    if kind in _MORE_KINDS:
+        return _MORE_KINDS[kind](common, overrides)
     raise ConfigError(f"unknown tiny model kind {kind!r}; expected one of 'qwen3', "
-                      "'qwen3_moe', 'llama', 'qwen2'")
+                      f"'qwen3_moe', 'llama', 'qwen2', {', '.join(map(repr, _MORE_KINDS))}")
+
+
+def _mistral(common: dict, overrides: dict) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**common, "sliding_window": None, **overrides})
+
+
+def _gemma3(common: dict, overrides: dict) -> Any:
+    """Gemma 3 text: tied embeddings, q/k norms, four norms a layer, one sliding-window
+    layer and one full; its (1 + weight) norms and sqrt(hidden) embedding scale live in
+    the model code, not in the weights."""
+    from transformers import Gemma3TextConfig
+
+    gemma = dict(tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=16,
+                 layer_types=["sliding_attention", "full_attention"])
+    return Gemma3TextConfig(**{**common, **gemma, **overrides})
+
+
+def _deepseek_v3(common: dict, overrides: dict) -> Any:
+    """DeepSeek-V3: MLA (vLLM CPU's MLA backend takes only head size 576 =
+    kv_lora_rank 512 + qk_rope_head_dim 64), one dense layer then one MoE layer with a
+    shared expert and a sigmoid router with its score-correction bias."""
+    from transformers import DeepseekV3Config
+
+    mla = dict(q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+               v_head_dim=32, num_key_value_heads=4, head_dim=64)
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+               topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+               routed_scaling_factor=1.0, num_nextn_predict_layers=0)
+    return DeepseekV3Config(**{**common, **mla, **moe, **overrides})
+
+
+def _nemotron_h(common: dict, overrides: dict) -> Any:
+    """NemotronH: a Mamba2 layer (4 heads of 32, 2 groups, state 16), an attention layer
+    and a relu^2 MLP layer."""
+    from transformers import NemotronHConfig
+
+    mamba = dict(layers_block_type=["linear_attention", "full_attention", "mlp"],
+                 mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
+                 conv_kernel=4, expand=2, chunk_size=16, use_mamba_kernels=False)
+    base = {k: v for k, v in common.items() if k != "num_hidden_layers"}
+    return NemotronHConfig(**{**base, **mamba, **overrides})
+
+
+_MORE_KINDS = {"mistral": _mistral, "gemma3": _gemma3, "deepseek_v3": _deepseek_v3,
+               "nemotron_h": _nemotron_h}
 
 
 def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,
@@ -155,14 +207,14 @@ def refit_params(model: Any, ranks: Sequence[int] | None = None
                  ) -> tuple[dict[str, Any], dict[str, Layout]]:
     """``(params, layouts)`` for :class:`reshard.refit.RefitSender`, by HF name.
 
-    DTensors keep their own layout; plain tensors (replicated under tensor parallelism)
-    get a replicated layout over ``ranks`` (default: the whole world)."""
+    DTensors keep their own layout; plain tensors (replicated under tensor parallelism,
+    and persistent buffers) get a replicated layout over ``ranks`` (default: the whole
+    world)."""
     import torch.distributed as dist
 
     params, layouts = {}, {}
     world = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
-    for name, p in model.named_parameters():
-        name = hf_name(name)
+    for name, p in _checkpoint_tensors(model):
         params[name] = p
         if hasattr(p, "placements") and hasattr(p, "to_local"):
             layouts[name] = Layout.from_dtensor(p)
@@ -171,18 +223,31 @@ def refit_params(model: Any, ranks: Sequence[int] | None = None
     return params, layouts
 
 
+def _checkpoint_tensors(model: Any) -> list[tuple[str, Any]]:
+    """(HF name, tensor) of every parameter and every persistent buffer (DeepSeek-V3's
+    router ``e_score_correction_bias``: in the checkpoint, not trained): what an
+    inference engine loads."""
+    out = [(hf_name(n), p) for n, p in model.named_parameters()]
+    for mname, module in model.named_modules():
+        for bname, b in module._buffers.items():
+            if b is not None and bname not in module._non_persistent_buffers_set:
+                out.append((hf_name(f"{mname}.{bname}" if mname else bname), b))
+    return out
+
+
 def param_shapes(model: Any) -> dict[str, list[int]]:
-    """HF name -> global shape of every parameter (what a receiver must map)."""
-    return {hf_name(n): list(p.shape) for n, p in model.named_parameters()}
+    """HF name -> global shape of every parameter and persistent buffer (what a
+    receiver must map)."""
+    return {n: list(p.shape) for n, p in _checkpoint_tensors(model)}
 
 
 def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters by HF name; a collective under FSDP2 / TP."""
+    """Full (unsharded) parameters and persistent buffers by HF name; a collective
+    under FSDP2 / TP."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in _checkpoint_tensors(model):
         data = p.detach()
-        out[hf_name(name)] = (data.full_tensor() if hasattr(data, "full_tensor")
-                              else data).clone()
+        out[name] = (data.full_tensor() if hasattr(data, "full_tensor") else data).clone()
     return out
 
 

@@ -122,7 +122,8 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
     """vLLM param name -> (module name, attribute, per-rank logical shape, dtype).
 
     Shapes come from vLLM's layerwise-reload metadata (the parameters as the model
-    created them, before any repacking); parameters vLLM does not record there (biases)
+    created them, before any repacking); parameters vLLM does not record there (biases,
+    and DeepSeek's router ``e_score_correction_bias``, added after the layer was created)
     are taken live."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -130,9 +131,10 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
     for mname, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
         metas = dict(info.restore_metadata[0]) if info is not None else {}
-        bias = module._parameters.get("bias")
-        if bias is not None and "bias" not in metas:
-            metas["bias"] = bias  # vLLM never moves biases to meta, nor records them
+        for pname in ("bias", "e_score_correction_bias"):  # vLLM never records these
+            live = module._parameters.get(pname)
+            if live is not None and pname not in metas:
+                metas[pname] = live
         for pname, meta in metas.items():
             live = module._parameters.get(pname)
             if live is not None and id(live) in seen:
@@ -184,6 +186,18 @@ def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
 def _copy_into(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """The loader a commit uses: the buffer already is this rank's logical tensor."""
     param.data.copy_(loaded_weight)
+
+
+def _converted(how: str, logical: torch.Tensor) -> torch.Tensor:
+    """What vLLM's loader computes from a checkpoint tensor (see ``CONVERSIONS``)."""
+    if how == "neg_exp":  # Mamba: A = -exp(A_log), in float32
+        return -torch.exp(logical.float())
+    raise MappingError(f"unknown conversion {how!r}")
+
+
+def _copy_converted(how: str, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """The commit's loader for a converted parameter."""
+    param.data.copy_(_converted(how, loaded_weight))
 
 
 class _QuietLayers(logging.Filter):
@@ -361,12 +375,17 @@ class ReshardState:
         shapes = {n: s for n, (_, _, s, _) in self.where.items()}
         self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
                                       hf_tensors, dtype)
-        odd = [n for n in self.mapping.param_shapes if self.where[n][3] != dtype]
+        odd = [n for n, d in self.mapping.param_dtypes.items() if n not in
+               self.mapping.converts and self.where[n][3] != getattr(torch, d)]
         if odd:
-            raise MappingError(f"vLLM parameters not in the model dtype {dtype}: {odd[:8]}")
-        self.live_names = kept_live(self.model,
-                                    {n: self.where[n] for n in self.mapping.param_shapes},
-                                    self.aliases)
+            raise MappingError(f"vLLM parameters not in the dtype the mapping gives them "
+                               f"(model dtype {dtype}): {odd[:8]}")
+        # a converted parameter (Mamba's A = -exp(A_log)) goes through its commit
+        converted = {self.where[n][0] for n in self.mapping.converts}
+        self.live_names = {n for n in kept_live(self.model, {n: self.where[n] for n in
+                                                             self.mapping.param_shapes},
+                                                self.aliases)
+                           if self.where[n][0] not in converted}
         self.live = {n: self._param(n).data for n in sorted(self.live_names)}
         self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
                         if n not in self.live_names}
@@ -474,7 +493,9 @@ class ReshardState:
                         # the restored parameter is vLLM's stored metadata object: its
                         # loader is put back afterwards, or later reloads would inherit ours
                         saved += _snapshot_loaders([param])
-                        param.weight_loader = _copy_into
+                        param.weight_loader = (
+                            functools.partial(_copy_converted, self.mapping.converts[name])
+                            if name in self.mapping.converts else _copy_into)
                         param.weight_loader = lw.make_online_process_loader(module, attr)
                         param.weight_loader(param, buf)
             finally:
@@ -561,7 +582,7 @@ class ReshardState:
         ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
         ref = self.vllm_reference(state_dict)
         mismatched = [n for n, b in {**self.buffers, **self.live}.items()
-                      if n not in ref or not torch.equal(ref[n], b)]
+                      if n not in ref or not torch.equal(ref[n], self._as_loaded(n, b))]
         live = dict(self.model.named_parameters())
         # packed linears are empty on CPU (shape differs); MoE experts are reordered in
         # place whatever their shape: compare the others, which vLLM leaves as loaded
@@ -569,11 +590,23 @@ class ReshardState:
                    if hasattr(self.model.get_submodule(m) if m else self.model, "w13_weight")}
         live_checked = [n for n, b in self.buffers.items() if n in live and n not in experts
                         and tuple(live[n].shape) == tuple(b.shape)]
-        live_mismatched = [n for n in live_checked if not torch.equal(live[n].data,
-                                                                      self.buffers[n])]
+        live_mismatched = [n for n in live_checked if not torch.equal(
+            live[n].data, self._as_loaded(n, self.buffers[n]))]
         return {"rank": self.rank, "checked": len(self.buffers) + len(self.live),
                 "in_place_checked": len(self.live), "mismatched": mismatched,
                 "live_checked": len(live_checked), "live_mismatched": live_mismatched}
+
+    def reconnect(self, host: str, port: int, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Meet the trainer again at a new ``host:port`` after a lost worker (collective
+        with the trainer ranks' ``RefitSender.reconnect`` or fresh senders): the live
+        weights and the version are kept; the mapping and the buffers are remade."""
+        self.receiver.reconnect(host, port, timeout=timedelta(seconds=timeout_s))
+        return self.info()
+
+    def _as_loaded(self, name: str, logical: torch.Tensor) -> torch.Tensor:
+        """A logical tensor as vLLM's loader stores it (its conversion applied)."""
+        how = self.mapping.converts.get(name)
+        return logical if how is None else _converted(how, logical).to(self.where[name][3])
 
     def close(self) -> None:
         self.receiver.comm.close()
@@ -682,6 +715,14 @@ class ReshardWorkerExtension:
         """Check the last refit against vLLM's own loaders fed the full state dict saved
         at ``path`` (``torch.save`` of HF name -> tensor)."""
         return self._reshard_state().verify(_load_state(path))
+
+    @_reported
+    def reshard_reconnect(self, host: str, port: int, timeout_s: float = 120.0
+                          ) -> dict[str, Any]:
+        """After a refit failed because a trainer rank was lost (``reshard_last`` says
+        ``ok: False``; the previous version stays live): meet the trainer again at a new
+        ``host:port``, keeping the live weights and the version; returns sizes."""
+        return self._reshard_state().reconnect(host, port, timeout_s)
 
     @_reported
     def reshard_close(self) -> None:

@@ -23,11 +23,16 @@ exactly what vLLM's own weight loaders make of the full checkpoint on that rank,
 :attr:`VllmMapping.layouts` receives only its own bytes, fused parameters included.
 
 The mapping is a table of ``(regex, rule)`` pairs (:data:`RULES`); a new family or
-tensor kind is one more row. Llama, Qwen2 (q/k/v biases), Qwen3 (``q_norm``/``k_norm``)
-and Qwen3-MoE (per-expert checkpoint names *and* the fused ``experts.gate_up_proj`` /
-``experts.down_proj`` parameters of transformers 5) are covered; expert parallelism and
-pipeline parallelism are not (vLLM's defaults: EP off, PP 1). Pure Python: no vLLM or
-transformers import.
+tensor kind is one more row. Llama, Mistral, Qwen2 (q/k/v biases), Qwen3
+(``q_norm``/``k_norm``), Gemma 3 (four norms a layer), Qwen3-MoE (per-expert checkpoint
+names *and* the fused ``experts.gate_up_proj`` / ``experts.down_proj`` parameters of
+transformers 5), DeepSeek-V3 (MLA: ``q_a_proj`` + ``kv_a_proj_with_mqa`` into the
+replicated ``fused_qkv_a_proj``, column-parallel ``q_b_proj`` / ``kv_b_proj``; shared
+experts; the float32 router ``e_score_correction_bias``) and NemotronH (Mamba2
+``in_proj`` [z | x | B | C | dt] and ``conv1d`` [x | B | C], every block split over the
+ranks; ``A`` = -exp(``A_log``) applied at commit, see :data:`CONVERSIONS`) are covered;
+expert parallelism and pipeline parallelism are not (vLLM's defaults: EP off, PP 1).
+Pure Python: no vLLM or transformers import.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from reshard.mesh import Mesh
 from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
-    "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
+    "CONVERSIONS", "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
     "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
 ]
 
@@ -58,15 +63,23 @@ def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
     return -(-vocab // padding) * padding
 
 
+#: Element-wise conversions vLLM's loaders apply to a checkpoint tensor (name -> what it
+#: computes from the received float32 tensor): Mamba's ``A = -exp(A_log)``.
+CONVERSIONS = {"neg_exp": "-exp(x)"}
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where a Hugging Face tensor sits in one rank's logical vLLM tensor ``param``:
     ``tensor[expert]`` first when ``expert`` is set, then rows ``[rows[0], rows[1])``
-    when ``rows`` is set; the whole tensor otherwise."""
+    when ``rows`` is set; the whole tensor otherwise. ``convert`` names what vLLM's
+    loader computes from the checkpoint tensor (:data:`CONVERSIONS`): the logical tensor
+    then holds the checkpoint form, and the commit applies it."""
 
     param: str
     expert: int | None = None
     rows: tuple[int, int] | None = None
+    convert: str | None = None
 
     def view(self, tensor: Any) -> Any:
         """The view of ``tensor`` (the rank's logical ``param``) this slot names."""
@@ -211,10 +224,16 @@ def _replicated(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
     return Slot(m[0]), c.replicated(shape), shape
 
 
+def _float32_replicated(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """A replicated tensor vLLM keeps in float32 whatever the model dtype (DeepSeek-V3's
+    router ``e_score_correction_bias``)."""
+    return Slot(m[0]), Layout(tuple(shape), c.mesh, [Replicate()], "float32"), shape
+
+
 def _vocab(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
     """embed_tokens / lm_head: padded vocabulary split evenly; padding rows in no piece."""
     vocab, rest = shape[0], tuple(shape[1:])
-    name = m[0]
+    name = "model.embed_tokens.weight" if m[0] == "model.embeddings.weight" else m[0]
     if c.logical is not None and name in c.logical:
         per = c.logical[name][0]
     else:
@@ -281,22 +300,104 @@ def _fused_w2(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
     return Slot(w2), c.sharded(shape, 2, "moe_intermediate_size"), (e, h, c.per_rank(i, "I"))
 
 
+def _mla_qkv_a(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """MLA (DeepSeek-V2/V3): ``q_a_proj`` and ``kv_a_proj_with_mqa`` -> rows of vLLM's
+    replicated ``fused_qkv_a_proj`` ([q_a | kv_a with rope]); without a q low-rank
+    projection (``q_lora_rank`` None) ``kv_a_proj_with_mqa`` stays itself, replicated."""
+    fused = f"{m['p']}.fused_qkv_a_proj.weight"
+    q_rank = c.cfg.get("q_lora_rank")
+    if not q_rank:
+        return Slot(m[0]), c.replicated(shape), shape
+    kv = int(c.cfg["kv_lora_rank"]) + int(c.cfg["qk_rope_head_dim"])
+    rows = (0, int(q_rank)) if m["w"] == "q_a" else (int(q_rank), int(q_rank) + kv)
+    return Slot(fused, rows=rows), c.replicated(shape), (int(q_rank) + kv, shape[1])
+
+
+def _q_proj(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """``q_proj``: into the fused ``qkv_proj``, or (MLA, no q low rank) column-parallel."""
+    if m["w"] == "q" and c.cfg.get("kv_lora_rank"):
+        return _column(m, shape, c)
+    return _qkv(m, shape, c)
+
+
+def _blocks_layout(shape: tuple[int, ...], sizes: Sequence[int], c: _Ctx, what: str
+                   ) -> Layout:
+    """Rows made of consecutive blocks, each split evenly over the ranks; rank r holds
+    its part of every block, in block order (vLLM's Mamba ``in_proj``, ``conv1d``)."""
+    rest = tuple(shape[1:])
+    zeros = (0,) * len(rest)
+    locals_ = [c.per_rank(n, what) for n in sizes]
+    views = {}
+    for r in range(c.tp):
+        pieces, start, at = [], 0, 0
+        for size, local in zip(sizes, locals_):
+            pieces.append(Piece((start + r * local, *zeros), (local, *rest), (at, *zeros)))
+            start, at = start + size, at + local
+        views[r] = LocalView((at, *rest), tuple(pieces))
+    return Layout.explicit(shape, views, c.dtype)
+
+
+def _mamba_sizes(c: _Ctx) -> tuple[int, int, int]:
+    """(intermediate size, B or C rows = groups x state, heads) of a Mamba2 mixer."""
+    heads = int(c.cfg["mamba_num_heads"])
+    inner = heads * int(c.cfg["mamba_head_dim"])
+    groups = int(c.cfg["n_groups"])
+    if groups % c.tp:
+        raise MappingError(f"n_groups ({groups}) is not divisible by the tensor-parallel "
+                           f"size {c.tp}: vLLM then replicates the groups (not mapped)")
+    return inner, groups * int(c.cfg["ssm_state_size"]), heads
+
+
+def _mamba_in_proj(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """Mamba2 ``in_proj`` rows [z | x | B | C | dt], each block split over the ranks."""
+    inner, bc, heads = _mamba_sizes(c)
+    layout = _blocks_layout(shape, (inner, inner, bc, bc, heads), c, "in_proj blocks")
+    return Slot(m[0]), layout, layout.view(0).local_shape
+
+
+def _mamba_conv(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """Mamba2 ``conv1d`` weight / bias over the channels [x | B | C], each split."""
+    inner, bc, _ = _mamba_sizes(c)
+    layout = _blocks_layout(shape, (inner, bc, bc), c, "conv1d channels")
+    return Slot(m[0]), layout, layout.view(0).local_shape
+
+
+def _mamba_a(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """``A_log`` -> vLLM's ``A = -exp(A_log)``, split over heads; sent in float32 (vLLM
+    computes it in float32 from the checkpoint tensor, then casts)."""
+    local = c.per_rank(shape[0], "mamba_num_heads")
+    layout = Layout(shape, c.mesh, [Shard(0)], "float32")
+    return Slot(f"{m['p']}.A", convert="neg_exp"), layout, (local, *shape[1:])
+
+
 #: ``(pattern, rule)``, first match wins. Patterns see the full Hugging Face name.
 RULES: list[tuple[re.Pattern[str], Rule]] = [
-    (re.compile(r"^(?P<p>.+\.self_attn)\.(?P<w>[qkv])_proj\.(?P<kind>weight|bias)$"), _qkv),
+    (re.compile(r"^(?P<p>.+\.(self_attn|mixer))\.(?P<w>[qkv])_proj\.(?P<kind>weight|bias)$"),
+     _q_proj),
+    (re.compile(r"^(?P<p>.+\.mixer)\.in_proj\.weight$"), _mamba_in_proj),
+    (re.compile(r"^(?P<p>.+\.mixer)\.conv1d\.(weight|bias)$"), _mamba_conv),
+    (re.compile(r"^(?P<p>.+\.mixer)\.A_log$"), _mamba_a),
+    (re.compile(r"^.+\.mixer\.(D|dt_bias|norm\.weight|up_proj\.weight)$"), _column),
+    (re.compile(r"^(?P<p>.+\.self_attn)\.(?P<w>q_a|kv_a)_proj(_with_mqa)?\.weight$"),
+     _mla_qkv_a),
+    (re.compile(r"^.+\.self_attn\.(q_b_proj|kv_b_proj)\.weight$"), _column),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<w>gate|up)_proj\.weight$"),
      _expert_w13),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_w2),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.gate_up_proj$"), _fused_w13),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.down_proj$"), _fused_w2),
-    (re.compile(r"^(?P<p>.+\.mlp)\.(?P<w>gate|up)_proj\.(?P<kind>weight|bias)$"), _gate_up),
-    (re.compile(r"^.+\.(o_proj|down_proj)\.weight$"), _row),
+    (re.compile(r"^(?P<p>.+\.mlp(\.shared_experts?)?)\.(?P<w>gate|up)_proj\.(?P<kind>weight|bias)$"),
+     _gate_up),
+    (re.compile(r"^.+\.(o_proj|down_proj|out_proj)\.weight$"), _row),
     (re.compile(r"^.+\.(o_proj|down_proj)\.bias$"), _replicated),
-    (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), _vocab),
-    (re.compile(r"^.+\.(q_norm|k_norm|input_layernorm|post_attention_layernorm)\.weight$"),
-     _replicated),
-    (re.compile(r"^model\.norm\.weight$"), _replicated),
+    (re.compile(r"^(model\.embed_tokens|model\.embeddings|lm_head)\.weight$"), _vocab),
+    (re.compile(r"^.+\.(q_norm|k_norm|q_a_layernorm|kv_a_layernorm|input_layernorm|"
+                r"post_attention_layernorm|pre_feedforward_layernorm|"
+                r"post_feedforward_layernorm)\.weight$"), _replicated),
+    (re.compile(r"^model\.(norm|norm_f)\.weight$"), _replicated),
+    (re.compile(r"^.+\.layers\.\d+\.norm\.weight$"), _replicated),  # NemotronH
     (re.compile(r"^.+\.mlp\.gate\.weight$"), _replicated),  # MoE router
+    (re.compile(r"^.+\.mlp\.gate\.e_score_correction_bias$"), _float32_replicated),
 ]
 
 
@@ -310,6 +411,11 @@ class VllmMapping:
         self.tensors = dict(tensors)
         self.param_shapes = dict(param_shapes)  # vLLM param -> per-rank logical shape
         self.tp, self.dtype = tp, dtype
+        #: vLLM param -> dtype of its logical tensor (the model dtype but for float32
+        #: exceptions) and -> the conversion its commit applies (:data:`CONVERSIONS`)
+        self.param_dtypes = {t.slot.param: t.layout.dtype for t in self.tensors.values()}
+        self.converts = {t.slot.param: t.slot.convert for t in self.tensors.values()
+                         if t.slot.convert}
 
     def __repr__(self) -> str:
         return (f"VllmMapping({len(self.tensors)} HF tensors -> {len(self.param_shapes)} "
@@ -331,8 +437,8 @@ class VllmMapping:
         import torch
 
         self._check_rank(rank)
-        dtype = getattr(torch, self.dtype) if like is None else like
-        return {p: torch.zeros(s, dtype=dtype, device=device)
+        return {p: torch.zeros(s, device=device, dtype=like if like is not None else
+                               getattr(torch, self.param_dtypes.get(p, self.dtype)))
                 for p, s in self.param_shapes.items()}
 
     def targets(self, rank: int, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,8 +467,8 @@ class VllmMapping:
     def shard_bytes(self, rank: int) -> int:
         """Bytes ``rank`` holds of the HF tensors: what a refit must deliver to it."""
         self._check_rank(rank)
-        return sum(sum(p.numel for p in t.layout.view(rank).pieces) * dtype_itemsize(self.dtype)
-                   for t in self.tensors.values())
+        return sum(sum(p.numel for p in t.layout.view(rank).pieces)
+                   * dtype_itemsize(t.layout.dtype) for t in self.tensors.values())
 
     def uncovered(self, logical_shapes: Iterable[str]) -> list[str]:
         """vLLM parameters that no HF tensor fills."""

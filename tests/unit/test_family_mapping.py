@@ -1,0 +1,96 @@
+"""HF -> vLLM mapping of MLA (DeepSeek-V3), Mamba2 hybrids (NemotronH) and Gemma 3: each
+rank's logical vLLM tensors built through the mapping equal those sliced and
+concatenated here by hand, the way vLLM's loaders do (``fused_qkv_a_proj`` = [q_a |
+kv_a], column-parallel ``q_b_proj`` / ``kv_b_proj``; Mamba ``in_proj`` = [z | x | B | C |
+dt] and ``conv1d`` = [x | B | C], each block split over the ranks; ``A`` from ``A_log``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reshard.integrations.vllm_mapping import MappingError, hf_to_vllm
+
+H = 16
+MLA = {"hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 4,
+       "q_lora_rank": 4, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+       "v_head_dim": 4, "vocab_size": 64, "n_routed_experts": 2, "moe_intermediate_size": 8}
+MAMBA = {"hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 4, "mamba_num_heads": 4, "mamba_head_dim": 4, "n_groups": 2,
+         "ssm_state_size": 4, "vocab_size": 64}
+
+
+def random_state(shapes: dict) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def blocks(t: torch.Tensor, sizes, tp: int, r: int) -> torch.Tensor:
+    return torch.cat([b.chunk(tp)[r] for b in t.split(sizes)])
+
+
+def test_mla_fuses_q_a_and_kv_a_and_splits_the_up_projections():
+    a = "model.layers.0.self_attn"
+    shapes = {f"{a}.q_a_proj.weight": (4, H), f"{a}.q_a_layernorm.weight": (4,),
+              f"{a}.q_b_proj.weight": (4 * 8, 4), f"{a}.kv_a_proj_with_mqa.weight": (12, H),
+              f"{a}.kv_a_layernorm.weight": (8,), f"{a}.kv_b_proj.weight": (4 * 8, 8),
+              f"{a}.o_proj.weight": (H, 4 * 4),
+              "model.layers.0.mlp.gate.e_score_correction_bias": (2,),
+              "model.layers.0.mlp.shared_experts.gate_proj.weight": (8, H),
+              "model.layers.0.mlp.shared_experts.up_proj.weight": (8, H)}
+    sd = random_state(shapes)
+    mapping = hf_to_vllm(MLA, 2, hf_tensors=shapes, dtype="bfloat16")
+    assert mapping.param_dtypes["model.layers.0.mlp.gate.e_score_correction_bias"] == "float32"
+    for r in range(2):
+        got = mapping.load_full(sd, r)
+        want = {f"{a}.fused_qkv_a_proj.weight": torch.cat([sd[f"{a}.q_a_proj.weight"],
+                                                           sd[f"{a}.kv_a_proj_with_mqa.weight"]]),
+                f"{a}.q_b_proj.weight": sd[f"{a}.q_b_proj.weight"].chunk(2)[r],
+                f"{a}.kv_b_proj.weight": sd[f"{a}.kv_b_proj.weight"].chunk(2)[r],
+                f"{a}.o_proj.weight": sd[f"{a}.o_proj.weight"].chunk(2, dim=1)[r],
+                "model.layers.0.mlp.shared_experts.gate_up_proj.weight": torch.cat([
+                    sd[f"model.layers.0.mlp.shared_experts.{w}_proj.weight"].chunk(2)[r]
+                    for w in ("gate", "up")])}
+        for name, t in want.items():
+            assert torch.equal(got[name].float(), t.bfloat16().float()), name
+        bias = got["model.layers.0.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, sd["model.layers.0.mlp.gate.e_score_correction_bias"])
+
+
+def test_mamba2_blocks_split_per_rank_and_a_is_converted_on_commit():
+    m = "model.layers.0.mixer"
+    inner, bc, heads = 16, 2 * 4, 4
+    shapes = {f"{m}.in_proj.weight": (2 * inner + 2 * bc + heads, H),
+              f"{m}.conv1d.weight": (inner + 2 * bc, 1, 4), f"{m}.conv1d.bias": (inner + 2 * bc,),
+              f"{m}.A_log": (heads,), f"{m}.D": (heads,), f"{m}.dt_bias": (heads,),
+              f"{m}.norm.weight": (inner,), f"{m}.out_proj.weight": (H, inner),
+              "model.layers.0.norm.weight": (H,), "model.embeddings.weight": (64, H),
+              "model.norm_f.weight": (H,)}
+    sd = random_state(shapes)
+    mapping = hf_to_vllm(MAMBA, 2, hf_tensors=shapes, dtype="float32")
+    assert mapping.converts == {f"{m}.A": "neg_exp"}
+    for r in range(2):
+        got = mapping.load_full(sd, r)
+        assert torch.equal(got[f"{m}.in_proj.weight"],
+                           blocks(sd[f"{m}.in_proj.weight"], [inner, inner, bc, bc, heads], 2, r))
+        for kind in ("weight", "bias"):
+            assert torch.equal(got[f"{m}.conv1d.{kind}"],
+                               blocks(sd[f"{m}.conv1d.{kind}"], [inner, bc, bc], 2, r))
+        for name in ("D", "dt_bias", "norm.weight"):
+            assert torch.equal(got[f"{m}.{name}"], sd[f"{m}.{name}"].chunk(2)[r])
+        assert torch.equal(got[f"{m}.A"], sd[f"{m}.A_log"].chunk(2)[r])  # converted on commit
+        assert torch.equal(got[f"{m}.out_proj.weight"], sd[f"{m}.out_proj.weight"].chunk(2, 1)[r])
+        assert torch.equal(got["model.embed_tokens.weight"],
+                           sd["model.embeddings.weight"].chunk(2)[r])
+    with pytest.raises(MappingError, match=r"n_groups \(2\) is not divisible .* size 4"):
+        hf_to_vllm(MAMBA, 4, hf_tensors=shapes)
+
+
+def test_gemma3_norms_are_replicated():
+    names = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm"]
+    shapes = {f"model.layers.0.{n}.weight": (H,) for n in names}
+    mapping = hf_to_vllm({"hidden_size": H, "num_attention_heads": 4}, 2, hf_tensors=shapes)
+    for r in range(2):
+        assert mapping.shard_bytes(r) == 4 * H * 2  # four bf16 norms, whole on every rank
