@@ -167,7 +167,7 @@ def plot_sweep(rows: list[dict[str, Any]], kind: str, path: str, *, title: str =
         ax.plot(x, [r[m] for r in rows], marker="o",
                 label="lower bound" if m == "lower_bound_s" else m,
                 ls="--" if m == "lower_bound_s" else "-")
-    if kind == "model":
+    if kind == "model" and rows and "reshard" in rows[0]:
         for xi, r in zip(x, rows):
             ax.annotate(r["model"], (xi, r["reshard"]), fontsize=7, rotation=30)
     ax.set_xscale("log")
