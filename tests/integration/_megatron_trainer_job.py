@@ -107,7 +107,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--port", type=int, default=0, help="the refit meeting; 0: no refit")
     ap.add_argument("--inference-size", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=M.TINY["vocab"],
+                    help="the real vocabulary (Megatron pads it to a multiple of 128)")
     a = ap.parse_args()
+    M.TINY.update(vocab=a.vocab, padded_vocab=-(-a.vocab // 128) * 128)  # before the fork
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world = a.world or a.tp * a.pp * a.ep
     logs = run_processes(trainer, world, a, timeout=400)
