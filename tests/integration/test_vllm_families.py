@@ -53,6 +53,7 @@ CASES = [
     ("mistral", "tp", "bfloat16", 2, 1),
     ("gemma3", "fsdp", "bfloat16", 2, 1),
     ("deepseek_v3", "fsdp", "float32", 2, 1),
+    ("nemotron_h", "fsdp", "bfloat16", 2, 1),
     ("llama", "fsdp", "float32", 1, 1),
     ("llama", "fsdp", "bfloat16", 4, 1),
 ]

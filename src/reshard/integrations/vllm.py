@@ -195,9 +195,11 @@ def _converted(how: str, logical: torch.Tensor) -> torch.Tensor:
     raise MappingError(f"unknown conversion {how!r}")
 
 
-def _copy_converted(how: str, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+def _converting_loader(how: str) -> Any:
     """The commit's loader for a converted parameter."""
-    param.data.copy_(_converted(how, loaded_weight))
+    def copy_converted(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        param.data.copy_(_converted(how, loaded_weight))
+    return copy_converted
 
 
 class _QuietLayers(logging.Filter):
@@ -493,9 +495,8 @@ class ReshardState:
                         # the restored parameter is vLLM's stored metadata object: its
                         # loader is put back afterwards, or later reloads would inherit ours
                         saved += _snapshot_loaders([param])
-                        param.weight_loader = (
-                            functools.partial(_copy_converted, self.mapping.converts[name])
-                            if name in self.mapping.converts else _copy_into)
+                        how = self.mapping.converts.get(name)
+                        param.weight_loader = _converting_loader(how) if how else _copy_into
                         param.weight_loader = lw.make_online_process_loader(module, attr)
                         param.weight_loader(param, buf)
             finally:
