@@ -48,27 +48,51 @@ from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
 from reshard.tools.launch import free_port  # noqa: E402
 
-#: (family, trainer sharding, engine dtype, vLLM TP, refit steps)
+#: (family, trainer sharding, engine dtype, vLLM TP, refit steps): every new family in
+#: bf16, a dense model at TP1 (fp32) and TP4 (bf16; 2 kv heads, so replicated)
 CASES = [
     ("mistral", "tp", "bfloat16", 2, 1),
     ("gemma3", "fsdp", "bfloat16", 2, 1),
-    ("deepseek_v3", "fsdp", "float32", 2, 1),
+    ("deepseek_v3", "fsdp", "bfloat16", 2, 1),
     ("nemotron_h", "fsdp", "bfloat16", 2, 1),
     ("llama", "fsdp", "float32", 1, 1),
     ("llama", "fsdp", "bfloat16", 4, 1),
 ]
+#: the other dtype of each, run with RESHARD_ALL_FAMILIES=1 (two more engines each)
+MORE_CASES = [
+    ("deepseek_v3", "fsdp", "float32", 2, 1),
+    ("mistral", "tp", "float32", 2, 1),
+    ("gemma3", "fsdp", "float32", 2, 1),
+    ("nemotron_h", "fsdp", "float32", 2, 1),
+    ("llama", "fsdp", "bfloat16", 1, 1),
+    ("llama", "fsdp", "float32", 4, 1),
+]
+if os.environ.get("RESHARD_ALL_FAMILIES") == "1":
+    CASES += MORE_CASES
 
 
-def engine(model_dir: Path, tp: int, dtype: str, *, reshard: bool) -> LLM:
+#: Engine options a family needs on every host. MLA (DeepSeek-V3) on vLLM 0.32 CPU:
+#: * the AMX MLA backend is picked wherever the processor has AMX; it loads bf16 only and
+#:   drops ``kv_b_proj.weight`` after packing it, so no reload can run on it (reshard
+#:   refuses it at init, naming this option): the reference ``CPU_MLA`` backend instead;
+#: * ``CPU_MLA`` answers requests batched together differently from call to call, even a
+#:   fresh engine (its prompt logprobs change from the second position on; measured: three
+#:   different answers in six calls on one unchanged engine), and identically one request
+#:   at a time: ``max_num_seqs=1`` makes the "same engine, same answer" check exact.
+FAMILY_ENGINE_ARGS = {"deepseek_v3": {"attention_backend": "CPU_MLA", "max_num_seqs": 1}}
+
+
+def engine(model_dir: Path, tp: int, dtype: str, *, reshard: bool, kind: str) -> LLM:
     """A vLLM CPU engine; TP ranks are bound round-robin to the cores (TP 4 on 2 cores:
     two ranks a core)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(CORES[r % len(CORES)])
                                                        for r in range(tp))
     extra = ({"worker_extension_cls": EXT, "weight_transfer_config": {"backend": "reshard"}}
              if reshard else {})
-    return LLM(model=str(model_dir), tensor_parallel_size=tp, skip_tokenizer_init=True,
-               enforce_eager=True, dtype=dtype, max_model_len=128, max_num_seqs=8, seed=0,
-               **extra)
+    options = dict(skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                   max_model_len=128, max_num_seqs=8, seed=0)
+    return LLM(model=str(model_dir), tensor_parallel_size=tp,
+               **{**options, **FAMILY_ENGINE_ARGS.get(kind, {})}, **extra)
 
 
 def close(llm: LLM) -> None:
@@ -90,7 +114,7 @@ def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int
                 steps: int) -> tuple[list[dict], list]:
     """The trainer job refits a reshard engine ``steps`` times; per step: each rank's
     refit result, the answers, the weight check."""
-    llm = engine(model_dir, tp, dtype, reshard=True)
+    llm = engine(model_dir, tp, dtype, reshard=True, kind=model_dir.name)
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
     records = []
@@ -121,7 +145,8 @@ def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int
     return records, trainer
 
 
-def fresh_answers(model_dir: Path, state_path: Path, tmp_path: Path, dtype: str, tp: int):
+def fresh_answers(model_dir: Path, state_path: Path, tmp_path: Path, dtype: str, tp: int,
+                  kind: str):
     """Tokens and prompt logprobs of a fresh engine loaded from the trainer's checkpoint
     of that step (its full state dict saved as a Hugging Face model in fp32: the engine
     casts on load as the sender casts on send)."""
@@ -129,7 +154,7 @@ def fresh_answers(model_dir: Path, state_path: Path, tmp_path: Path, dtype: str,
     model.load_state_dict(with_tied(model, torch.load(state_path)))
     model.config.dtype = torch.float32
     model.save_pretrained(tmp_path, safe_serialization=True)
-    llm = engine(tmp_path, tp, dtype, reshard=False)
+    llm = engine(tmp_path, tp, dtype, reshard=False, kind=kind)
     try:
         return generate(llm)
     finally:
@@ -156,7 +181,7 @@ def test_family_refit_matches_a_fresh_engine(models, tmp_path, kind, shard, dtyp
         for v in rec["verify"]:  # bit for bit what vLLM's own loaders make of the state
             assert v["mismatched"] == [] and v["checked"] > 0, v
         state = tmp_path / "out" / f"step{step}.pt"
-        fresh = fresh_answers(model_dir, state, tmp_path / f"fresh{step}", dtype, tp)
+        fresh = fresh_answers(model_dir, state, tmp_path / f"fresh{step}", dtype, tp, kind)
         assert (rec["tokens"], rec["lps"]) == fresh, (kind, step)  # exactly
     full = model_bytes(tmp_path / "out" / f"step{steps}.pt", dtype)
     res = records[-1]["res"]

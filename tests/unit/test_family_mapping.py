@@ -94,3 +94,19 @@ def test_gemma3_norms_are_replicated():
     mapping = hf_to_vllm({"hidden_size": H, "num_attention_heads": 4}, 2, hf_tensors=shapes)
     for r in range(2):
         assert mapping.shard_bytes(r) == 4 * H * 2  # four bf16 norms, whole on every rank
+
+
+def test_an_attention_that_dropped_its_weight_after_loading_is_refused_by_name():
+    """vLLM CPU's AMX MLA backend packs its own copies of ``kv_b_proj`` and leaves the
+    parameter empty: no reload can refill it, so the refit is refused before the mapping,
+    naming the layer and the backend that keeps it."""
+    from reshard.integrations.vllm import refuse_unreloadable
+
+    attn = torch.nn.Module()
+    attn.kv_b_proj = torch.nn.Linear(8, 32, bias=False)
+    attn.is_amx_bmm_enabled = False  # the reference backend: kv_b_proj kept
+    model = torch.nn.Sequential(attn)
+    refuse_unreloadable(model)
+    attn.is_amx_bmm_enabled = True
+    with pytest.raises(MappingError, match=r"^0: .*kv_b_proj.*CPU_MLA"):
+        refuse_unreloadable(model)

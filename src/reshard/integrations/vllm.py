@@ -110,7 +110,7 @@ from reshard.integrations.vllm_mapping import (
 __all__ = [
     "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
     "ReshardWorkerExtension", "collective", "kept_live", "logical_params", "map_or_explain",
-    "register", "tied_aliases",
+    "refuse_unreloadable", "register", "tied_aliases",
 ]
 
 log = logging.getLogger("reshard.vllm")
@@ -143,6 +143,20 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
             out[f"{mname}.{pname}" if mname else pname] = (mname, pname, tuple(meta.shape),
                                                            meta.dtype)
     return out
+
+
+def refuse_unreloadable(model: torch.nn.Module) -> None:
+    """Refuse a model whose attention dropped a weight after loading, so that nothing is
+    left for a reload to refill: neither a reshard commit nor vLLM's own
+    ``reload_weights`` can then update it. vLLM CPU's AMX MLA backend (picked wherever
+    the processor has AMX; it loads bf16 only) packs its own copies of ``kv_b_proj`` and
+    leaves that parameter empty; the reference CPU MLA backend keeps it."""
+    for mname, module in model.named_modules():
+        if getattr(module, "is_amx_bmm_enabled", False):
+            raise MappingError(
+                f"{mname}: vLLM's AMX MLA backend dropped kv_b_proj.weight after packing "
+                "it, so no refit can reach it; start the engine with "
+                "attention_backend='CPU_MLA' (the reference CPU MLA backend keeps it)")
 
 
 def tied_aliases(model: torch.nn.Module, where: Mapping[str, tuple[str, str, Any, Any]]
@@ -374,6 +388,7 @@ class ReshardState:
         the logical buffers: the receiver's (targets, layouts, direct names)."""
         model_config = self.vllm_config.model_config
         dtype = model_config.dtype
+        refuse_unreloadable(self.model)
         shapes = {n: s for n, (_, _, s, _) in self.where.items()}
         self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
                                       hf_tensors, dtype)
