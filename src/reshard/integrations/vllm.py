@@ -90,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,11 @@ def logical_params(model: torch.nn.Module) -> dict[str, tuple[str, str, tuple[in
             live = module._parameters.get(pname)
             if live is not None and pname not in metas:
                 metas[pname] = live
+                if pname == "bias" and "weight" in metas:
+                    # created in the weight's dtype; vLLM CPU's small-GEMM kernel turns
+                    # the bias to float32 after loading (on hosts with AMX)
+                    metas[pname] = torch.empty(live.shape, dtype=metas["weight"].dtype,
+                                               device="meta")
         for pname, meta in metas.items():
             live = module._parameters.get(pname)
             if live is not None and id(live) in seen:
@@ -157,6 +163,30 @@ def refuse_unreloadable(model: torch.nn.Module) -> None:
                 f"{mname}: vLLM's AMX MLA backend dropped kv_b_proj.weight after packing "
                 "it, so no refit can reach it; start the engine with "
                 "attention_backend='CPU_MLA' (the reference CPU MLA backend keeps it)")
+
+
+#: Module buffers vLLM makes at init as views of a parameter's checkpoint form, which the
+#: forward reads: (buffer attribute, parameter relative to the module). Mamba2's
+#: ``conv_weights`` views ``conv1d.weight``; where vLLM CPU then repacks ``conv1d`` (its
+#: small-GEMM kernel, on hosts with AMX), the view keeps the storage as first loaded and
+#: a reload never reaches it, vLLM's own ``reload_weights`` included.
+_DERIVED_BUFFERS = (("conv_weights", "conv1d.weight"),)
+
+
+def derived_buffers(model: torch.nn.Module,
+                    where: Mapping[str, tuple[str, str, tuple[int, ...], torch.dtype]]
+                    ) -> list[tuple[torch.Tensor, str]]:
+    """(live buffer, vLLM parameter name) for each derived buffer of the model
+    (:data:`_DERIVED_BUFFERS`): a commit writes the parameter's logical tensor into it."""
+    out = []
+    for mname, module in model.named_modules():
+        for attr, rel in _DERIVED_BUFFERS:
+            buffer = module._buffers.get(attr)
+            name = f"{mname}.{rel}" if mname else rel
+            if buffer is not None and name in where and math.prod(where[name][2]) == \
+                    buffer.numel():
+                out.append((buffer, name))
+    return out
 
 
 def tied_aliases(model: torch.nn.Module, where: Mapping[str, tuple[str, str, Any, Any]]
@@ -364,6 +394,7 @@ class ReshardState:
         self.inference_size = inference_size
         self.where = logical_params(model)
         self.aliases = tied_aliases(model, self.where)
+        self.derived = derived_buffers(model, self.where)
         self.staging = staging
         self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
@@ -517,6 +548,9 @@ class ReshardState:
             finally:
                 lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
                 _restore_loaders(saved)
+            for buffer, name in self.derived:  # views a reload leaves on the old storage
+                if name in self.buffers:
+                    buffer.copy_(self.buffers[name].view(buffer.shape))
         return self._committed(t0)
 
     def _committed(self, t0: float) -> float:
@@ -574,7 +608,11 @@ class ReshardState:
             prefix = names[layer]
             for pname, p in layer._parameters.items():
                 if p is not None:
-                    captured[f"{prefix}.{pname}" if prefix else pname] = p.detach().clone()
+                    name = f"{prefix}.{pname}" if prefix else pname
+                    # in its checkpoint dtype, as a fresh load stores it: a bias vLLM
+                    # turned to float32 takes the checkpoint's values unrounded here
+                    logical = self.where.get(name, (None, None, None, p.dtype))[3]
+                    captured[name] = p.detach().to(logical, copy=True)
             lw._place_kernel_tensors(layer, info)
             info.reset()
 
@@ -598,7 +636,9 @@ class ReshardState:
         ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
         ref = self.vllm_reference(state_dict)
         mismatched = [n for n, b in {**self.buffers, **self.live}.items()
-                      if n not in ref or not torch.equal(ref[n], self._as_loaded(n, b))]
+                      if n not in ref or not _same(ref[n], self._as_loaded(n, b))]
+        mismatched += [f"{n} (derived buffer)" for d, n in self.derived
+                       if n in ref and not _same(d, ref[n].view(d.shape))]
         live = dict(self.model.named_parameters())
         # packed linears are empty on CPU (shape differs); MoE experts are reordered in
         # place whatever their shape: compare the others, which vLLM leaves as loaded
@@ -606,7 +646,7 @@ class ReshardState:
                    if hasattr(self.model.get_submodule(m) if m else self.model, "w13_weight")}
         live_checked = [n for n, b in self.buffers.items() if n in live and n not in experts
                         and tuple(live[n].shape) == tuple(b.shape)]
-        live_mismatched = [n for n in live_checked if not torch.equal(
+        live_mismatched = [n for n in live_checked if not _same(
             live[n].data, self._as_loaded(n, self.buffers[n]))]
         return {"rank": self.rank, "checked": len(self.buffers) + len(self.live),
                 "in_place_checked": len(self.live), "mismatched": mismatched,
@@ -626,6 +666,16 @@ class ReshardState:
 
     def close(self) -> None:
         self.receiver.comm.close()
+
+
+def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
+    """Bit for bit the same values; where vLLM holds a tensor in another dtype than its
+    checkpoint form (a bias it turned to float32), the same through an exact cast both
+    ways."""
+    if held.dtype == logical.dtype:
+        return torch.equal(held, logical)
+    return (torch.equal(held, logical.to(held.dtype)) and
+            torch.equal(held.to(logical.dtype), logical))
 
 
 def _load_state(path: str) -> dict[str, torch.Tensor]:
