@@ -270,7 +270,9 @@ class Record:
             return f"step {self.step}: refit FAILED: {why}"
         ok = lambda b: "OK" if b else "FAIL"  # noqa: E731
         c = self.checks
-        return (f"step {self.step}: reward {self.mean_reward:.3f} | refit v{self.step}: "
+        trained = all("reward" in t for t in self.trainer)  # not a re-sent version
+        reward = f"reward {self.mean_reward:.3f} | " if trained else ""
+        return (f"step {self.step}: {reward}refit v{self.step}: "
                 f"transfer {max(t['seconds'] for t in self.trainer):.3f} s + vLLM commit "
                 f"{max(r['commit_seconds'] for r in self.engine):.3f} s | vLLM ranks received "
                 f"{[r['bytes_received'] for r in self.engine]} B | generation vs "
