@@ -10,6 +10,7 @@ their own world. Everything above this module is identical for both.
 from __future__ import annotations
 
 import pickle
+import socket
 import time
 from collections.abc import Sequence
 from contextlib import suppress
@@ -21,7 +22,14 @@ import torch.distributed as dist
 
 from reshard.errors import ConfigError
 
-__all__ = ["Comm", "backend_device_types"]
+__all__ = ["Comm", "backend_device_types", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at ``host`` now (a store or a group binds it soon after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class Comm:

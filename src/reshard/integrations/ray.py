@@ -33,6 +33,7 @@ import socket
 import struct
 from typing import Any, NamedTuple
 
+from reshard.comm import free_port
 from reshard.errors import ConfigError
 
 __all__ = ["StoreAddress", "free_port", "init_local_cluster", "interface_of", "node_address",
@@ -59,13 +60,6 @@ def node_address(*, loopback: bool = False) -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on this node at ``host`` now (the store binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def pick_store_address(*, loopback: bool = False, host: str | None = None) -> StoreAddress:

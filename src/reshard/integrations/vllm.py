@@ -611,7 +611,7 @@ class ReshardState:
                     name = f"{prefix}.{pname}" if prefix else pname
                     # in its checkpoint dtype, as a fresh load stores it: a bias vLLM
                     # turned to float32 takes the checkpoint's values unrounded here
-                    logical = self.where.get(name, (None, None, None, p.dtype))[3]
+                    logical = self.where[name][3] if name in self.where else p.dtype
                     captured[name] = p.detach().to(logical, copy=True)
             lw._place_kernel_tensors(layer, info)
             info.reset()

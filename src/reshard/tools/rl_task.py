@@ -23,6 +23,27 @@ def reward(tokens: list[int], vocab: int) -> float:
     return sum(t < vocab // 2 for t in tokens) / max(1, len(tokens))
 
 
+def rollouts(llm: Any, step: int) -> list[Rollout]:
+    """Two sampled completions of every prompt from the vLLM engine ``llm`` (seeded by
+    ``step``)."""
+    from vllm import SamplingParams
+
+    sample = SamplingParams(temperature=1.0, max_tokens=ROLLOUT_TOKENS, ignore_eos=True,
+                            detokenize=False, n=2, seed=step)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sample, use_tqdm=False)
+    return [(list(p), list(c.token_ids)) for p, o in zip(PROMPTS, outs) for c in o.outputs]
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    """The engine's greedy completion of every prompt (``CHECK_TOKENS`` tokens)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True,
+                            detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def reinforce_step(model: Any, opt: Any, batch: list[Rollout]) -> tuple[float, float]:
     """One REINFORCE step on this rank's rollouts (advantage: reward minus the batch
     mean); returns (loss, mean reward). Collective under FSDP2 (backward)."""
