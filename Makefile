@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# Megatron-Core for the Megatron trainer tests (no Transformer Engine): its wheel says
 	# Python >= 3.12 yet runs on 3.11; numpy and packaging are already here. It imports
 	# triton unconditionally: triton goes into a folder only the Megatron trainers add to
-	# their path (tests/integration/_megatron_cpu.py), so vLLM keeps running without it
+	# their path (reshard/tools/megatron_cpu.py), so vLLM keeps running without it
 	$(VPY) -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/megatron-triton "triton==3.9.0"
 	$(VPY) -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"

@@ -4,8 +4,9 @@
                                     [--port PORT --inference-size 2]
 
 ``tp * pp * dp`` gloo ranks (``--world``, default ``tp * pp * ep``) build a tiny
-Megatron-Core ``GPTModel`` (local layer spec, float32; see ``_megatron_cpu.py`` for the
-CPU patches) and take ``N`` AdamW steps through Megatron's forward-backward schedule.
+Megatron-Core ``GPTModel`` (local layer spec, float32; see ``reshard.tools.megatron_cpu``
+for the CPU patches) and take ``N`` AdamW steps through Megatron's forward-backward
+schedule.
 Before the first step each rank saves its Megatron parameters as they are
 (``OUT_DIR/step0.rank{r}.pt``: stage-local names, the global layer number of each local
 layer, its TP / PP / EP / DP coordinates); after each step too (``step{k}.rank{r}.pt``),
@@ -20,34 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import _megatron_cpu as M  # noqa: E402
-
-from reshard.refit import RefitSender  # noqa: E402
-from reshard.refit.side import local_tensors  # noqa: E402
-from reshard.tools.launch import run_processes  # noqa: E402
+from reshard.refit import RefitSender
+from reshard.refit.side import local_tensors
+from reshard.tools import megatron_cpu as M
+from reshard.tools.launch import run_processes
 
 
-def save_local(model, rank: int, path: Path, params: dict) -> None:
-    """This rank's Megatron parameters, its coordinates, and which Megatron parameter
-    each HF tensor given to the sender is (by identity)."""
-    from megatron.core import parallel_state as ps
-
-    layers = {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+def save_local(model, rank: int, out: Path, step: int, params: dict) -> None:
+    """This rank's Megatron parameters and coordinates, and which Megatron parameter each
+    HF tensor given to the sender is (by identity)."""
     which = {id(p): n for n, p in model.named_parameters()}
-    torch.save({"state": M.local_state(model), "layers": layers,
-                "sent_from": {hf: which.get(id(p)) for hf, p in params.items()},
-                "tp": ps.get_tensor_model_parallel_rank(),
-                "pp": ps.get_pipeline_model_parallel_rank(),
-                "ep": ps.get_expert_model_parallel_rank(),
-                "dp": ps.get_data_parallel_rank(), "rank": rank}, path)
+    M.save_rank_record(model, rank, out, step,
+                       sent_from={hf: which.get(id(p)) for hf, p in params.items()})
 
 
 def same_memory(params: dict, model) -> dict:
@@ -70,7 +60,7 @@ def trainer(rank: int, world: int, a: argparse.Namespace) -> dict:
     params, layouts = megatron.refit_params(model, family=a.kind, vocab_size=M.TINY["vocab"])
     if rank == 0:
         torch.save(layouts, out / "layouts.pt")
-    save_local(model, rank, out / f"step0.rank{rank}.pt", params)
+    save_local(model, rank, out, 0, params)
     log = {"memory": same_memory(params, model), "steps": []}
     sender = None
     if a.port:
@@ -80,9 +70,7 @@ def trainer(rank: int, world: int, a: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, foreach=False)
     for step in range(1, a.steps + 1):
         loss = M.train_step(model, opt, step)
-        tmp = out / f".step{step}.rank{rank}.pt"
-        save_local(model, rank, tmp, params)
-        tmp.rename(out / f"step{step}.rank{rank}.pt")  # appears whole
+        save_local(model, rank, out, step, params)  # appears whole
         entry = {"step": step, "loss": loss}
         if sender is not None:
             stats = sender.refit(step)

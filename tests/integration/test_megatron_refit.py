@@ -9,7 +9,8 @@ engine, the sender fed by :func:`reshard.integrations.megatron.refit_params`:
   two data-parallel ranks) has its own.
 
 After every refit, the step's Hugging Face state dict is rebuilt from the trainer's
-saved shards by ``_megatron_hf.py`` (independent of the library) and:
+saved shards by ``reshard.tools.megatron_hf`` (independent of
+``reshard.integrations.megatron``) and:
 
 * every logical vLLM parameter of every rank equals, bit for bit, what vLLM's own
   loaders make of that state dict (``reshard_verify``);
@@ -42,11 +43,11 @@ if importlib.util.find_spec("megatron") is None:  # imported by the trainer proc
     pytest.skip("megatron-core is not installed (make setup installs it)",
                 allow_module_level=True)
 
-import _megatron_hf as MH  # noqa: E402
 import torch  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
+from reshard.tools import megatron_hf as MH  # noqa: E402
 from reshard.tools.launch import free_port  # noqa: E402
 
 JOB = Path(__file__).with_name("_megatron_trainer_job.py")

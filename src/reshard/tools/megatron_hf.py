@@ -1,13 +1,17 @@
 """Megatron-Core shards -> one Hugging Face state dict, written apart from the library.
 
-The tests' reference: the Megatron trainer job saves every rank's parameters as they
-are (``step{k}.rank{r}.pt``); :func:`to_hf` rebuilds the full Hugging Face tensors the
-plain way -- concatenate the TP shards, then reshape ``linear_qkv`` to
-``[groups, q heads + 2, head_dim, hidden]`` and slice it, halve each ``linear_fc1`` shard,
-drop the vocabulary padding, renumber layers and experts. It shares no code with
-``reshard.integrations.megatron`` (which never builds a full tensor). Copies that Megatron
-replicates (over TP, over data parallelism) must agree bit for bit; :func:`to_hf` checks
-it, so a trainer whose replicas drift fails here rather than hiding behind one copy.
+The reference the Megatron checks compare vLLM with (the refit tests and ``demo_rl
+--trainer megatron``): the Megatron trainers save every rank's parameters as they are
+(``step{k}.rank{r}.pt``, :func:`reshard.tools.megatron_cpu.save_rank_record`);
+:func:`to_hf` rebuilds the full Hugging Face tensors the plain way -- concatenate the TP
+shards, then reshape ``linear_qkv`` to ``[groups, q heads + 2, head_dim, hidden]`` and
+slice it, halve each ``linear_fc1`` shard, drop the vocabulary padding, renumber layers
+and experts. It shares no code with ``reshard.integrations.megatron`` (which never builds
+a full tensor): a check against it is a check of that module's rules. Copies that
+Megatron replicates (over TP, over data parallelism) must agree bit for bit; :func:`to_hf`
+checks it (:class:`ReplicaMismatch`), so a trainer whose replicas drift fails here rather
+than hiding behind one copy. Dense and MoE Llama / Qwen2 / Qwen3 names of the local
+layer spec only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from pathlib import Path
 import torch
 
 
-def load_ranks(out_dir: Path, step: int) -> list[dict]:
+class ReplicaMismatch(AssertionError):
+    """Two copies of one Megatron parameter that Megatron keeps equal are not."""
+
+
+def load_ranks(out_dir: str | Path, step: int) -> list[dict]:
+    """Every rank's record of ``step`` (``out_dir/step{step}.rank{r}.pt``), by rank."""
     files = sorted(Path(out_dir).glob(f"step{step}.rank*.pt"),
                    key=lambda p: int(p.name.split("rank")[1].split(".")[0]))
     return [torch.load(f) for f in files]
@@ -44,8 +53,8 @@ def _by_tp(ranks: list[dict], local_experts: int) -> dict[str, dict[int, torch.T
         for name, t in r["state"].items():
             g = _global_name(name, r["layers"], r["ep"], local_experts)
             seen = out[g].get(r["tp"])
-            if seen is not None:
-                assert torch.equal(seen, t), f"{g}: replicas differ (rank {r['rank']})"
+            if seen is not None and not torch.equal(seen, t):
+                raise ReplicaMismatch(f"{g}: replicas differ (rank {r['rank']})")
             out[g][r["tp"]] = t
     return out
 
@@ -53,7 +62,8 @@ def _by_tp(ranks: list[dict], local_experts: int) -> dict[str, dict[int, torch.T
 def _same(shards: dict[int, torch.Tensor], name: str) -> torch.Tensor:
     first = shards[0]
     for tp, t in shards.items():
-        assert torch.equal(first, t), f"{name}: TP rank {tp}'s copy differs from TP rank 0's"
+        if not torch.equal(first, t):
+            raise ReplicaMismatch(f"{name}: TP rank {tp}'s copy differs from TP rank 0's")
     return first
 
 
@@ -77,7 +87,8 @@ def to_hf(ranks: list[dict], *, vocab: int, heads: int, groups: int, head_dim: i
             hf["model.norm.weight"] = _same(shards, name)
             continue
         m = re.match(r"layers\.(\d+)\.(.*)$", name)
-        assert m, name
+        if not m:
+            raise KeyError(f"the reference converter does not know {name}")
         p, rest = f"model.layers.{m.group(1)}.", m.group(2)
         if rest == "input_layernorm.weight":
             hf[p + "input_layernorm.weight"] = _same(shards, name)
@@ -107,5 +118,5 @@ def to_hf(ranks: list[dict], *, vocab: int, heads: int, groups: int, head_dim: i
         elif rest.endswith("linear_fc2.weight"):
             hf[p + rest[: -len("linear_fc2.weight")] + "down_proj.weight"] = cat1
         else:
-            raise AssertionError(f"the test's converter does not know {name}")
+            raise KeyError(f"the reference converter does not know {name}")
     return hf

@@ -1,16 +1,22 @@
 """Megatron-Core 0.19.2 training on CPU with gloo: every CUDA assumption patched HERE.
 
-The tests' Megatron trainers (``_megatron_trainer_job.py``) import this module before
-anything of Megatron; nothing in ``src/`` patches Megatron. Each patch says why it is
-needed. What it enables: a tiny ``GPTModel`` built from the local (non-Transformer-Engine)
-layer spec, trained with tensor, pipeline (1F1B, gloo point-to-point) and expert
-parallelism (allgather token dispatcher) on CPU processes.
+The Megatron trainers of the tests (``tests/integration/_megatron_trainer_job.py``) and
+of the RL demo (``python -m reshard.tools.demo_rl --trainer megatron``) import this
+module before anything of Megatron; the library itself (``reshard.integrations.megatron``)
+patches nothing and reads a live Megatron model as it is. Each patch says why it is
+needed; on a GPU with Transformer Engine none of them is wanted. What it enables: a tiny
+``GPTModel`` built from the local (non-Transformer-Engine) layer spec, trained with
+tensor, pipeline (1F1B, gloo point-to-point) and expert parallelism (allgather token
+dispatcher) on CPU processes.
 
 * :func:`patch_megatron_for_cpu`: call once per process, before importing Megatron.
 * :func:`init_parallel`: ``torch.distributed`` (gloo) + Megatron's parallel state.
 * :func:`build_gpt`: the tiny Qwen3 / Qwen3-MoE / Llama / Qwen2 ``GPTModel`` chunk.
 * :func:`train_step`: one optimizer step through Megatron's own forward-backward
   schedule, then the gradient reductions Megatron's ``finalize_model_grads`` would do.
+* :func:`reinforce_step`: the same on sampled rollouts (the RL demo's REINFORCE loss).
+* :func:`rank_record`: this rank's parameters as they are, with its coordinates, what
+  :mod:`reshard.tools.megatron_hf` rebuilds a Hugging Face state dict from.
 """
 
 from __future__ import annotations
@@ -186,32 +192,34 @@ def _sync_replicas(model) -> None:
 
 
 def batch(step: int, dp_rank: int, seq: int = 16, micro: int = 2) -> list[torch.Tensor]:
+    """The tests' synthetic micro-batches: random token ids, seeded by step and DP rank."""
     g = torch.Generator().manual_seed(1000 + 17 * step + dp_rank)
     return [torch.randint(3, TINY["vocab"], (1, seq), generator=g) for _ in range(micro)]
 
 
-def train_step(model, opt, step: int) -> float:
-    """One step: micro-batches through Megatron's forward-backward schedule (1F1B when
-    pp > 1), gradient reductions, optimizer step. Returns this rank's mean loss (0 off
-    the last stage)."""
+def _optimizer_step(model, opt, micro: list[torch.Tensor], loss_of) -> list[dict]:
+    """Micro-batches ``[1, seq]`` (one length) through Megatron's forward-backward schedule
+    (1F1B when pp > 1), the gradient reductions, the optimizer step. ``loss_of(i,
+    per_token_losses)`` is micro-batch ``i``'s scalar loss from Megatron's per-token cross
+    entropy ``[1, seq]`` (Megatron averages it over the micro-batches). Returns the last
+    stage's ``[{"loss": ...}]`` per micro-batch (empty elsewhere)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    micro = batch(step, ps.get_data_parallel_rank())
     seq = micro[0].shape[1]
     # Megatron's default mask needs a CUDA kernel path; pass the causal mask
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     pos = torch.arange(seq).unsqueeze(0)
-    it = iter(micro)
+    it = iter(enumerate(micro))
 
     def forward_step(_data_iterator, m):
-        ids = next(it)
+        i, ids = next(it)
         labels = torch.roll(ids, -1, dims=1)
         out = m(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels)
 
-        def loss_func(losses):
-            loss = losses.float().mean()
+        def loss_func(per_token):
+            loss = loss_of(i, per_token.float())
             return loss, {"loss": loss.detach()}
         return out, loss_func
 
@@ -221,7 +229,52 @@ def train_step(model, opt, step: int) -> float:
     _reduce_grads(model, ps, dist)
     opt.step()
     opt.zero_grad()
+    return losses
+
+
+def train_step(model, opt, step: int) -> float:
+    """One step on the synthetic batch of ``step`` (next-token loss). Returns this rank's
+    mean loss (0 off the last stage)."""
+    from megatron.core import parallel_state as ps
+
+    losses = _optimizer_step(model, opt, batch(step, ps.get_data_parallel_rank()),
+                             lambda _i, per_token: per_token.mean())
     return float(sum(d["loss"] for d in losses) / len(losses)) if losses else 0.0
+
+
+def reinforce_step(model, opt, rollouts: Sequence[tuple[list[int], list[int]]],
+                   reward) -> float:
+    """One REINFORCE step on this data-parallel rank's ``rollouts`` (prompt ids,
+    completion ids), as ``reshard.tools.rl_task.reinforce_step`` takes it with a
+    transformers model: loss = -sum_i (r_i - mean r) * log p(completion_i) / n, where
+    ``reward(completion)`` gives r_i. One micro-batch per rollout, right-padded to the
+    longest (pipeline stages exchange one activation shape; the causal mask keeps the
+    padding out of every position that counts). Returns this rank's loss on the last
+    stage's first tensor-parallel rank, 0 on the others (so that a sum over ranks counts
+    each data-parallel rank once)."""
+    from megatron.core import parallel_state as ps
+
+    rewards = torch.tensor([reward(c) for _, c in rollouts], dtype=torch.float32)
+    advantages = rewards - rewards.mean()
+    seq = max(len(p) + len(c) for p, c in rollouts)
+    micro, spans = [], []
+    for prompt, completion in rollouts:
+        ids = prompt + completion
+        micro.append(torch.tensor([ids + [0] * (seq - len(ids))]))
+        # position t predicts token t + 1: the completion's tokens are predicted from
+        # positions len(prompt) - 1 .. len(ids) - 2
+        spans.append((len(prompt) - 1, len(ids) - 1))
+
+    def loss_of(i: int, per_token: torch.Tensor) -> torch.Tensor:
+        a, b = spans[i]
+        # per-token loss = -log p(label): REINFORCE's -A * log p is A * loss; Megatron
+        # divides by the number of micro-batches
+        return advantages[i] * per_token[0, a:b].sum()
+
+    losses = _optimizer_step(model, opt, micro, loss_of)
+    if not losses or ps.get_tensor_model_parallel_rank() != 0:
+        return 0.0
+    return float(sum(d["loss"] for d in losses) / len(losses))
 
 
 def _reduce_grads(model, ps, dist) -> None:
@@ -248,5 +301,26 @@ def local_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def names_of(model) -> Sequence[str]:
-    return [n for n, _ in model.named_parameters()]
+def rank_record(model, rank: int) -> dict[str, Any]:
+    """This rank's parameters (stage-local names), the global layer number of each local
+    layer, and its TP / PP / EP / DP coordinates: one rank's share of a step, as
+    :func:`reshard.tools.megatron_hf.to_hf` reads it."""
+    from megatron.core import parallel_state as ps
+
+    layers = {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    return {"state": local_state(model), "layers": layers,
+            "tp": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "rank": rank}
+
+
+def save_rank_record(model, rank: int, out_dir: str | Path, step: int,
+                     **extra: Any) -> Path:
+    """:func:`rank_record` (plus ``extra``) as ``out_dir/step{step}.rank{rank}.pt``,
+    written whole (renamed into place)."""
+    out = Path(out_dir)
+    tmp, path = out / f".step{step}.rank{rank}.pt", out / f"step{step}.rank{rank}.pt"
+    torch.save({**rank_record(model, rank), **extra}, tmp)
+    tmp.rename(path)
+    return path
