@@ -34,7 +34,6 @@ CORES = sorted(os.sched_getaffinity(0))
 if len(CORES) < 2:
     pytest.skip("the vLLM family tests bind one core per TP rank and need 2 cores",
                 allow_module_level=True)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 try:
     from vllm import LLM
@@ -42,7 +41,7 @@ except Exception as e:  # ImportError, or a broken install
     pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
 
 import torch  # noqa: E402
-from test_vllm_refit import EXT, JOB, generate, with_tied  # noqa: E402
+from test_vllm_refit import EXT, JOB, KV_CACHE_BYTES, generate, with_tied  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
@@ -90,7 +89,8 @@ def engine(model_dir: Path, tp: int, dtype: str, *, reshard: bool, kind: str) ->
     extra = ({"worker_extension_cls": EXT, "weight_transfer_config": {"backend": "reshard"}}
              if reshard else {})
     options = dict(skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-                   max_model_len=128, max_num_seqs=8, seed=0)
+                   max_model_len=128, max_num_seqs=8, seed=0,
+                   kv_cache_memory_bytes=KV_CACHE_BYTES)
     return LLM(model=str(model_dir), tensor_parallel_size=tp,
                **{**options, **FAMILY_ENGINE_ARGS.get(kind, {})}, **extra)
 

@@ -41,7 +41,6 @@ if len(CORES) < 2:
                 allow_module_level=True)
 # read by vLLM at import and inherited by its spawned workers
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{CORES[0]}|{CORES[1]}")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 try:
     import vllm  # noqa: F401
@@ -55,6 +54,7 @@ import torch  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
 from reshard.tools.launch import free_port  # noqa: E402
+from reshard.tools.rl_task import KV_CACHE_BYTES  # noqa: E402
 
 JOB = Path(__file__).with_name("_vllm_trainer_job.py")
 EXT = "reshard.integrations.vllm.ReshardWorkerExtension"
@@ -87,6 +87,7 @@ class Engines:
             self.llm = LLM(model=str(self.dirs[kind]), tensor_parallel_size=TP,
                            skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                            max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXT,
+                           kv_cache_memory_bytes=KV_CACHE_BYTES,
                            weight_transfer_config={"backend": "reshard"})
             self.kind = (kind, dtype)
         return self.llm, self.dirs[kind]
@@ -97,7 +98,7 @@ class Engines:
         self.close()
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
                        enforce_eager=True, dtype=dtype, max_model_len=128, max_num_seqs=8,
-                       seed=0)
+                       seed=0, kv_cache_memory_bytes=KV_CACHE_BYTES)
         self.kind = "fresh"
         return self.llm
 
