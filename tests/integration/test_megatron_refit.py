@@ -134,11 +134,8 @@ def in_memory_form(state: dict) -> dict:
 
 def fresh_answers(engines, run: dict, step: int):
     """A fresh engine loaded from the Hugging Face checkpoint of ``step`` (float32)."""
-    model = hf.load_model(run["model_dir"], torch.float32)
-    model.load_state_dict(in_memory_form(torch.load(run["out"] / f"hf_step{step}.pt")))
-    model.config.dtype = torch.float32
-    ckpt = run["out"] / f"checkpoint{step}"
-    model.save_pretrained(ckpt, safe_serialization=True)
+    state = in_memory_form(torch.load(run["out"] / f"hf_step{step}.pt"))
+    ckpt = hf.save_checkpoint(run["model_dir"], state, run["out"] / f"checkpoint{step}")
     return V.generate(engines.fresh(ckpt))
 
 

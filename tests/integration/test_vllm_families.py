@@ -41,7 +41,7 @@ except Exception as e:  # ImportError, or a broken install
     pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
 
 import torch  # noqa: E402
-from test_vllm_refit import EXT, JOB, KV_CACHE_BYTES, generate, with_tied  # noqa: E402
+from test_vllm_refit import EXT, JOB, KV_CACHE_BYTES, generate  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
@@ -150,10 +150,7 @@ def fresh_answers(model_dir: Path, state_path: Path, tmp_path: Path, dtype: str,
     """Tokens and prompt logprobs of a fresh engine loaded from the trainer's checkpoint
     of that step (its full state dict saved as a Hugging Face model in fp32: the engine
     casts on load as the sender casts on send)."""
-    model = hf.load_model(model_dir, torch.float32)
-    model.load_state_dict(with_tied(model, torch.load(state_path)))
-    model.config.dtype = torch.float32
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    hf.save_checkpoint(model_dir, torch.load(state_path), tmp_path)
     llm = engine(tmp_path, tp, dtype, reshard=False, kind=kind)
     try:
         return generate(llm)

@@ -343,11 +343,8 @@ def fresh_engine_answers(engines, model_dir: Path, state_path: Path, tmp_path: P
     """Tokens and prompt logprobs of a fresh engine (of ``dtype``) loaded from the
     trainer's checkpoint (its full state dict of that step, saved as a Hugging Face model
     in float32: the engine casts on load as the sender casts on send)."""
-    model = hf.load_model(model_dir, torch.float32)
-    model.load_state_dict(with_tied(model, torch.load(state_path)))
-    model.config.dtype = torch.float32
-    model.save_pretrained(tmp_path / "checkpoint", safe_serialization=True)
-    return generate(engines.fresh(tmp_path / "checkpoint", dtype))
+    ckpt = hf.save_checkpoint(model_dir, torch.load(state_path), tmp_path / "checkpoint")
+    return generate(engines.fresh(ckpt, dtype))
 
 
 def test_staging_none_failed_refit_is_stale_until_the_next(engines, tmp_path):

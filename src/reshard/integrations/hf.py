@@ -31,8 +31,8 @@ from reshard.placement import Replicate
 
 __all__ = [
     "build_tiny_model", "checkpoint_state_dict", "full_state_dict", "greedy_tokens",
-    "hf_name", "load_model", "param_shapes", "refit_params", "shard_fsdp2", "shard_tp",
-    "tiny_config",
+    "hf_name", "load_model", "param_shapes", "refit_params", "save_checkpoint", "shard_fsdp2",
+    "shard_tp", "tiny_config",
 ]
 
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.|"
@@ -144,6 +144,21 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                  attn_implementation="eager")
     return model.train()
+
+
+def save_checkpoint(model_dir: str | Path, state: Mapping[str, torch.Tensor],
+                    out: str | Path) -> Path:
+    """``state`` (a full state dict in the model's in-memory names) saved in float32 as a
+    Hugging Face checkpoint of ``model_dir``'s model in ``out``: what a fresh engine of
+    one step loads (it casts on load as a sender casts on send). A tied embedding may be
+    given once (as a trainer sends it)."""
+    model = load_model(model_dir, torch.float32)
+    if model.config.tie_word_embeddings and "lm_head.weight" not in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    model.load_state_dict(state)
+    model.config.dtype = torch.float32
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)
 
 
 def _layers(model: Any) -> Sequence[Any]:

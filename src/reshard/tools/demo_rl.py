@@ -222,7 +222,7 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
         if state is None:
             print(f"trainer failed before its first step: {trainer_error[0]}")
             return 1
-        model_dir = _save_checkpoint(model_dir, state, work / "megatron-step0")
+        model_dir = hf.save_checkpoint(model_dir, state, work / "megatron-step0")
         print(f"Megatron-Core ({args.parallel}, {world} ranks) built its model in "
               f"{time.perf_counter() - t0:.1f} s; Hugging Face checkpoint of it in "
               f"{model_dir}")
@@ -305,19 +305,6 @@ def _megatron_step(out_dir: Path, step: int, world: int, thread: threading.Threa
     t = megatron_cpu.TINY
     return megatron_hf.to_hf(megatron_hf.load_ranks(out_dir, step), vocab=t["vocab"],
                              heads=t["heads"], groups=t["groups"], head_dim=t["head_dim"])
-
-
-def _save_checkpoint(model_dir: Path, state: dict[str, Any], out: Path) -> Path:
-    """``state`` (float32) saved as a Hugging Face checkpoint of ``model_dir``'s config."""
-    import torch
-
-    from reshard.integrations import hf
-
-    model = hf.load_model(model_dir, torch.float32)
-    model.load_state_dict(state)
-    model.config.dtype = torch.float32
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 if __name__ == "__main__":
