@@ -149,7 +149,9 @@ class Executor:
 
     def check(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
         """Agree with every rank of the group on the plan and on the tensors, or raise."""
-        problem = local_problem(self.plan, self.rank, src, dst, backend=self.comm.backend)
+        # the colocated transport moves no tensor through the group: any backend will do
+        backend = None if self.method == COLOCATED else self.comm.backend
+        problem = local_problem(self.plan, self.rank, src, dst, backend=backend)
         views = self.comm.all_gather_object(
             (self.rank, self.plan.fingerprint(), problem, self.schedule_key()))
         prints = {fp for _, fp, _, _ in views}

@@ -44,6 +44,22 @@ def _moves(rank: int, world: int) -> dict:
             "exports": ex._runner.exports}
 
 
+def _freed_then_reallocated(rank: int, world: int) -> list[bool]:
+    """Every refit the trainer frees its weights before it makes new ones: the new
+    storage's fd number and address are those of the freed one, which must not pass
+    for it (a reader would keep reading the freed copy)."""
+    plan = R.plan({"w": SRC}, {"w": DST})
+    ex = Executor(plan, method="colocated")
+    _, dst = _locals(rank, FULL)
+    exact = []
+    for step in range(3):
+        src, _ = _locals(rank, FULL + step)  # the only reference to this step's source
+        ex.run(src, dst)
+        del src
+        exact.append(not dst or torch.equal(dst["w"], DST.shard(FULL + step, rank)))
+    return exact
+
+
 def _other_machine(rank: int, world: int) -> str | None:
     import reshard._transport.shm as shm
 
@@ -62,6 +78,11 @@ def test_moved_storage_is_exported_again_and_read_from_its_new_place():
     for rank, res in enumerate(results):
         assert res["first"] and res["shared"] and res["second"], (rank, res)
     assert [r["exports"] for r in results] == [2, 2, 0, 0]
+
+
+def test_a_freed_storage_never_passes_for_the_next_one_at_its_fd_and_address():
+    results = run_processes(_freed_then_reallocated, 4, timeout=120)
+    assert results == [[True] * 3] * 4, results
 
 
 def test_a_rank_on_another_machine_is_refused_on_every_rank():

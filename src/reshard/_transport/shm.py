@@ -11,12 +11,19 @@ small collectives per run: one before the copies (every source's values are in p
 every export known; any rank's problem refused on all) and one after them (no source
 may change what a reader still reads).
 
-CPU tensors only here (CUDA would export with CUDA IPC handles the same way). Every
-rank of the plan must share the machine; ranks on other machines are refused.
+Host tensors are exported as above; CUDA tensors with CUDA IPC handles (torch's own
+``reduce_tensor``/``rebuild_cuda_tensor``, whose reference counts keep a storage alive
+while a reader maps it), named by the device's UUID so that processes with different
+``CUDA_VISIBLE_DEVICES`` find the same GPU; a reader in the exporter's own process
+uses the tensor itself (CUDA cannot map its own handles). A source rank waits for its
+devices before the first collective (its last writes are done before anyone reads) and
+a reader for its copies before the second. Every rank of the plan must share the
+machine; ranks on other machines are refused.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -73,6 +80,7 @@ class SharedMemoryRunner:
         """Export what changed, learn the others' exports, copy this rank's regions."""
         self.broken = False
         mine, problem = self._export(src)
+        _synchronize(src[n] for n in self._exports if n in src)  # last writes done
         views = self._gather((machine_id(), mine, problem))
         self._refuse(views)
         for r, (_, exports, _) in enumerate(views):
@@ -82,17 +90,19 @@ class SharedMemoryRunner:
         if any(exports for _, exports, _ in views):
             self._drop_unused()
         stats = self._copy(src, dst)
+        _synchronize(dst[name] for name, _ in self._copies)  # the copies are done
         self._gather(None)  # readers done: the sources may change their tensors again
         return stats
 
     # -- exports -----------------------------------------------------------------------
     def _export(self, src: Mapping[str, torch.Tensor]) -> tuple[dict[str, tuple], str | None]:
         out: dict[str, tuple] = {}
+        tokens: dict[int, int] = {}  # storage address -> its token, in this export
         try:
             for name in self._exports:
                 tensor = src[name]
                 if not self._unchanged(name, tensor):  # first run, or it moved
-                    out[name] = _export_spec(tensor)
+                    out[name] = _export_spec(tensor, tokens)
                     self._exported[name] = _identity(tensor)
         except Exception as e:  # a source that cannot be read: refused on every rank
             return {}, f"rank {self.rank}: exporting a source tensor failed ({e!r})"
@@ -118,8 +128,12 @@ class SharedMemoryRunner:
 
     # -- mappings and copies -------------------------------------------------------------
     def _map(self, spec: tuple) -> torch.Tensor:
-        pid, fd, nbytes, ptr, offset, shape, stride, dtype = spec
-        key = (pid, fd, ptr)
+        if spec[0] == "cuda":
+            return self._map_cuda(spec)
+        _, pid, token, fd, nbytes, offset, shape, stride, dtype = spec
+        # by token, never by fd or address: a freed storage's fd number and address are
+        # soon reused by the next one shared
+        key = ("cpu", pid, token)
         storage = self._storages.get(key)
         if storage is None:
             try:
@@ -132,6 +146,31 @@ class SharedMemoryRunner:
             self._storages[key] = storage
         view = torch.empty(0, dtype=getattr(torch, dtype))
         return view.set_(storage, offset, shape, stride)
+
+    def _map_cuda(self, spec: tuple) -> torch.Tensor:
+        _, pid, token, uuid, args = spec
+        if pid == os.getpid():  # a rank of this very process (threads): no IPC needed
+            tensor = _IN_PROCESS.get(token)
+            if tensor is None:
+                raise TransferError(f"rank {self.rank}: a CUDA tensor exported in this "
+                                    "process was freed before it was read")
+            return tensor
+        import inspect
+
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        call = inspect.signature(rebuild_cuda_tensor).bind(*args)
+        call.arguments["storage_device"] = _cuda_index(uuid)  # this process's index of it
+        key = ("cuda", pid, call.arguments["storage_handle"],
+               call.arguments["storage_offset_bytes"])
+        try:
+            view = rebuild_cuda_tensor(*call.args, **call.kwargs)
+        except RuntimeError as e:
+            raise TransferError(f"rank {self.rank}: cannot map the CUDA memory exported by "
+                                f"process {pid} (freed, that process is gone, or CUDA IPC "
+                                f"is not allowed between these processes): {e}") from e
+        self._storages[key] = view.untyped_storage()
+        return view
 
     def _drop_unused(self) -> None:
         """Unmap storages no current export uses (a source moved away from them)."""
@@ -175,12 +214,22 @@ def _identity(tensor: torch.Tensor) -> tuple:
             tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
-def _export_spec(tensor: torch.Tensor) -> tuple:
-    """(pid, fd, nbytes, storage ptr, storage offset, shape, stride, dtype) of a CPU
-    tensor, its storage moved into shared memory first if it is not there yet."""
+#: Tensors this process exported over CUDA, by token, for readers in the same process.
+_IN_PROCESS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
+
+
+def _export_spec(tensor: torch.Tensor, tokens: dict[int, int]) -> tuple:
+    """What another process needs to read ``tensor`` in place: ``("cpu", pid, token, fd,
+    nbytes, storage offset, shape, stride, dtype)`` (its storage moved into shared memory
+    first if it is not there yet) or ``("cuda", pid, token, device UUID, rebuild
+    arguments)``. The token names one storage in one export, never reused by this
+    process (``tokens``: those given in this export, by storage address)."""
+    if tensor.device.type == "cuda":
+        return _export_cuda(tensor)
     if tensor.device.type != "cpu":
-        raise TransferError(f"the colocated transport reads CPU tensors here, got one on "
-                            f"{tensor.device}")
+        raise TransferError(f"the colocated transport reads CPU and CUDA tensors, got one "
+                            f"on {tensor.device}")
     if not tensor.is_shared():
         tensor.share_memory_()  # in place: the storage moves, every view follows
     storage = tensor.untyped_storage()
@@ -189,6 +238,34 @@ def _export_spec(tensor: torch.Tensor) -> tuple:
     except RuntimeError as e:  # shared another way (the file_system sharing strategy)
         raise TransferError("the colocated transport needs torch.multiprocessing's "
                             f"file_descriptor sharing strategy: {e}") from e
-    return (os.getpid(), fd, nbytes, storage.data_ptr(), tensor.storage_offset(),
+    token = tokens.setdefault(storage.data_ptr(), next(_TOKENS))
+    return ("cpu", os.getpid(), token, fd, nbytes, tensor.storage_offset(),
             tuple(tensor.shape), tuple(tensor.stride()),
             str(tensor.dtype).removeprefix("torch."))
+
+
+def _export_cuda(tensor: torch.Tensor) -> tuple:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    plain = tensor.detach()  # a plain tensor on the same storage (not a Parameter)
+    token = next(_TOKENS)
+    _IN_PROCESS[token] = tensor  # held by the caller (its source mapping), weakly here
+    _, args = reduce_tensor(plain)
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return ("cuda", os.getpid(), token, uuid, args)
+
+
+def _cuda_index(uuid: str) -> int:
+    """This process's index of the GPU with that UUID."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise TransferError(f"the colocated transport found no GPU {uuid} in this process "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+                        "each reader must see the GPUs of the sources it reads")
+
+
+def _synchronize(tensors) -> None:
+    """Wait for the CUDA devices these tensors are on (nothing for host tensors)."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
