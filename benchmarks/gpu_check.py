@@ -18,8 +18,11 @@ On a machine with one CUDA device, with no set-up and in a few minutes:
    fraction of the device's copy bandwidth measured in the same run (goal: 80 %).
    Every region is copied, also those the executor would send without packing;
 4. several ranks on one GPU, each tried in a subprocess with a timeout: an NCCL world
-   of one (local copies, a message to itself), two NCCL processes on one device, and
-   CUDA IPC between two processes (one packs, the other unpacks);
+   of one (local copies, a message to itself), two NCCL processes on one device, CUDA
+   IPC between two processes (one packs, the other unpacks), and the colocated
+   transport (``method="colocated"``, CUDA IPC) between two processes that are each a
+   trainer and an engine rank, checked after an in-place update and a reallocation of
+   the trainer's weights, then timed;
 5. a chosen list of existing test files under pytest, each a subprocess with a
    timeout; the files left out are listed with the reason, and so are skipped tests.
 
@@ -333,6 +336,11 @@ FEATURES: tuple[tuple[str, str, Callable[[], bool]], ...] = (
      lambda: all(map(_has, ("torch.distributed.tensor._dtensor_spec:DTensorSpec",
                             "torch.distributed.tensor._dtensor_spec:TensorMeta")))),
     ("torch.float8_e4m3fn", "fp8 layouts", lambda: _has("torch:float8_e4m3fn")),
+    ("reduce_tensor / rebuild_cuda_tensor", "the colocated transport on CUDA (CUDA IPC)",
+     lambda: all(map(_has, ("torch.multiprocessing.reductions:reduce_tensor",
+                            "torch.multiprocessing.reductions:rebuild_cuda_tensor")))),
+    ("UntypedStorage._share_fd_cpu_", "the colocated transport on the host",
+     lambda: _has("torch:UntypedStorage._share_fd_cpu_")),
 )
 
 #: reshard modules imported, with the optional package each needs beyond torch, if any
@@ -523,6 +531,8 @@ def correctness_checks(device: str) -> list[Check]:
         ("Executor p2p on 8 thread ranks", lambda: check_executor_threads(device, "p2p", False)),
         ("Executor reshard + sum checksum on 8 thread ranks",
          lambda: check_executor_threads(device, "reshard", "sum")),
+        ("Executor colocated on 8 thread ranks (in-process reads)",
+         lambda: check_executor_threads(device, "colocated", False)),
         ("gloo group of one refuses device tensors", lambda: check_gloo_refuses(device)),
     ]
     return [run_check(f"{name} [{device}]", fn) for name, fn in checks]
@@ -1104,12 +1114,143 @@ def _ipc_receive(inbox, outbox, device: str) -> tuple[bool, str]:
     return ok, f"{len(dst)} tensors {'exact' if ok else 'WRONG'} after {count} rounds"
 
 
+COLOCATED_SRC, COLOCATED_DST = "tp2", "tp1,dp2"  # each process: a trainer and an engine rank
+COLOCATED_BYTES = 1 << 30  # at most this much of --model's decoder layers is timed
+
+
+def colocated_name(device: str) -> str:
+    kind = "CUDA IPC" if is_cuda(device) else "shared host memory (debug)"
+    return (f"colocated transport over {kind}: 2 processes, each trainer "
+            f"{COLOCATED_SRC} + engine {COLOCATED_DST}")
+
+
+def colocated_plan(model: str, layers: int | None = None, pattern: str = ""):
+    """``model``'s tensors (those matching ``pattern``; ``layers`` decoder layers) from
+    trainer tp2 on ranks 0, 1 to engine tp1,dp2 on the same ranks: each engine rank reads
+    half of every weight from its own process and half from the other one."""
+    config = dict(PRESETS[model])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    tensors = [t for t in model_from_config(config, name=model).tensors
+               if re.search(pattern, t.name)]
+    return R.plan(model_layouts(tensors, ParallelSpec.parse(COLOCATED_SRC)),
+                  model_layouts(tensors, ParallelSpec.parse(COLOCATED_DST)))
+
+
+def colocated_timed_layers(model: str) -> int:
+    """The most decoder layers of ``model`` whose weights fit in ``COLOCATED_BYTES``."""
+    total = int(PRESETS[model]["num_hidden_layers"])
+    one = sum(prod(t.src.shape) * t.src.itemsize
+              for t in colocated_plan(model, 1, r"\.layers\.").tensors)
+    return max(1, min(total, COLOCATED_BYTES // max(one, 1)))
+
+
+def probe_colocated(args: argparse.Namespace) -> Iterator[Check]:
+    """Two processes on one device, both trainer and engine ranks, refit through
+    ``Executor(method="colocated")``: every engine tensor checked after a first refit, one
+    after the trainer updated its weights in place (on the device, asynchronously: the
+    transport must wait for it) and one after it reallocated them (exported again); then
+    a timed steady-state refit of ``--model``'s first decoder layers."""
+    yield run_check(colocated_name(args.device), lambda: _colocated_pair(args))
+
+
+def _colocated_pair(args: argparse.Namespace) -> tuple[str, str]:
+    import torch.multiprocessing as tmp
+
+    ctx, port = tmp.get_context("spawn"), free_port()
+    outbox = ctx.Queue()
+    child = ctx.Process(target=colocated_rank, daemon=True,
+                        args=(1, port, args.device, args.model, args.repeats, outbox))
+    child.start()
+    try:
+        mine = _colocated_rank(0, port, args.device, args.model, args.repeats)
+        status, detail = outbox.get(timeout=PROBE_TIMEOUT)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=5)
+    worst = next((s for s in (FAIL, ERROR) if s in (mine[0], status)), PASS)
+    return worst, f"rank 0: {mine[1]}; rank 1: {detail}"
+
+
+def colocated_rank(rank: int, port: int, device: str, model: str, repeats: int,
+                   outbox) -> None:
+    """Rank 1 of :func:`probe_colocated` (top level: spawn imports it)."""
+    try:
+        outbox.put(_colocated_rank(rank, port, device, model, repeats))
+    except Exception as e:
+        outbox.put((ERROR, one_line(e)))
+
+
+def _colocated_rank(rank: int, port: int, device: str, model: str,
+                    repeats: int) -> tuple[str, str]:
+    from reshard.comm import Comm
+    from reshard.executor import Executor
+
+    comm = Comm.from_store("127.0.0.1", port, rank, 2, backend="gloo",
+                           timeout=timedelta(seconds=PROBE_TIMEOUT))
+    try:
+        plan = colocated_plan("tiny-qwen3")
+        ex = Executor(plan, comm, method="colocated")
+        src = {t.name: fill_local(t.src, rank).to(device) for t in plan.tensors}
+        dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype),
+                                   device=device) for t in plan.tensors}
+        wrong = []
+        for salt, how in ((0, "first"), (1, "updated in place"), (2, "reallocated")):
+            if how == "updated in place":
+                for t in plan.tensors:  # queued on the device, not yet done when run starts
+                    src[t.name].copy_(fill_local(t.src, rank, salt).to(device, non_blocking=True))
+            elif how == "reallocated":
+                src = {t.name: fill_local(t.src, rank, salt).to(device) for t in plan.tensors}
+            ex.run(src, dst)
+            bad = [t.name for t in plan.tensors
+                   if not matches(t.dst, rank, dst[t.name].cpu(), salt)]
+            if bad:
+                wrong.append(f"{how}: {len(bad)} of {len(plan.tensors)} wrong, first {bad[0]}")
+        exports = ex._runner.exports
+        if wrong:
+            return FAIL, "; ".join(wrong)
+        timed = _colocated_timed(comm, rank, device, model, repeats)
+        return PASS, (f"{len(plan.tensors)} tensors exact after 3 refits ({exports} "
+                      f"exports); {timed}")
+    finally:
+        comm.close()
+
+
+def _colocated_timed(comm, rank: int, device: str, model: str, repeats: int) -> str:
+    """Median seconds of a steady-state colocated refit of ``model``'s first decoder
+    layers (random bytes; correctness was checked on the tiny model)."""
+    from reshard.executor import Executor
+
+    layers = colocated_timed_layers(model)
+    plan = colocated_plan(model, layers, r"\.layers\.")
+    ex = Executor(plan, comm, method="colocated")
+    src = {t.name: random_tensor(t.src.local_shape(rank), getattr(torch, t.src.dtype), device)
+           for t in plan.tensors}
+    dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype),
+                               device=device) for t in plan.tensors}
+    stats = ex.run(src, dst)  # exports and maps once
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ex.run(src, dst, check=False)
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    moved = stats.bytes_local + stats.bytes_received
+    return (f"{model} {layers} layers: {moved / 1e6:.1f} MB per engine rank "
+            f"({stats.bytes_received / 1e6:.1f} MB from the other process) in "
+            f"{seconds * 1e3:.1f} ms = {moved / seconds / 1e9:.1f} GB/s (median of "
+            f"{repeats}, both processes on one {device})")
+
+
 #: What a probe subprocess (``--probe NAME``) runs: each yields its checks as they end.
 PROBES: dict[str, Callable[[argparse.Namespace], Iterator[Check]]] = {
     "nccl-stateless": lambda args: probe_nccl_one_rank(args, registered=False),
     "nccl-registered": lambda args: probe_nccl_one_rank(args, registered=True),
     "nccl-peer": probe_nccl_peer,
     "cuda-ipc": probe_cuda_ipc,
+    "colocated": probe_colocated,
 }
 
 
@@ -1138,13 +1279,13 @@ def _probe_argv(name: str, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--probe", name, *extra]
 
 
-def probe_in_subprocess(name: str, logs: Path, timeout: float,
-                        device: str = "cuda") -> list[Check]:
-    """Run probe ``name`` in its own process; its checks, or one error saying how it
-    ended (a timeout kills it)."""
+def probe_in_subprocess(name: str, logs: Path, timeout: float, device: str = "cuda",
+                        extra: Sequence[str] = ()) -> list[Check]:
+    """Run probe ``name`` in its own process (``extra``: more of its arguments); its
+    checks, or one error saying how it ended (a timeout kills it)."""
     log = logs / f"probe_{name}.log"
     t0 = time.perf_counter()
-    (code,) = run_logged([_probe_argv(name, "--device", device)], [log], timeout)
+    (code,) = run_logged([_probe_argv(name, "--device", device, *extra)], [log], timeout)
     checks = probe_results(f"{name} probe", code, log, timeout)
     for c in checks:
         c.seconds = c.seconds or time.perf_counter() - t0
@@ -1173,7 +1314,7 @@ PROBE_TIMEOUT = 60.0
 def multi_rank_probes(args: argparse.Namespace, logs: Path) -> list[Check]:
     """Several ranks on one GPU, each tried in its own subprocess with a timeout."""
     names = ("NCCL world of 1 (stateless, registered)", "two NCCL processes on one GPU",
-             ipc_name(args.device))
+             ipc_name(args.device), colocated_name(args.device))
     if args.no_probes or not is_cuda(args.device):
         why = "--no-probes given" if args.no_probes else "needs a CUDA device"
         return [Check(n, SKIPPED, why) for n in names]
@@ -1181,6 +1322,8 @@ def multi_rank_probes(args: argparse.Namespace, logs: Path) -> list[Check]:
     checks += probe_in_subprocess("nccl-registered", logs, PROBE_TIMEOUT)
     checks.append(probe_two_ranks(logs, PROBE_TIMEOUT))
     checks += probe_in_subprocess("cuda-ipc", logs, PROBE_TIMEOUT)
+    checks += probe_in_subprocess("colocated", logs, 2 * PROBE_TIMEOUT, extra=(
+        "--model", args.model, "--repeats", str(args.repeats)))
     return checks
 
 
@@ -1196,6 +1339,7 @@ TESTS_RUN = (  # the longest first, so that the pool ends early
     "tests/unit/test_topology.py", "tests/unit/test_refit_recovery.py",
     "tests/unit/test_schedule_agreement.py", "tests/unit/test_ordered_matching.py",
     "tests/unit/test_layout.py", "tests/unit/test_views.py", "tests/unit/test_devices.py",
+    "tests/multiproc/test_colocated.py", "tests/unit/test_colocated_specs.py",
 )
 
 _PURE = "pure Python (no tensor on a device, nothing torch-version dependent); the CPU CI runs it"
@@ -1207,6 +1351,11 @@ LEFT_OUT = {
     "tests/unit/test_costmodel.py": "cost-model simulator: " + _PURE,
     "tests/unit/test_models.py": "model presets: " + _PURE,
     "tests/unit/test_mapping.py": "vLLM name mapping: " + _PURE,
+    "tests/unit/test_family_mapping.py": "vLLM mapping of MLA, Mamba and Gemma 3: " + _PURE,
+    "tests/unit/test_megatron_mapping.py": "Megatron-Core name and shard rules: " + _PURE,
+    "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,
+    "tests/unit/test_nemo_sim.py": "NeMo RL methods in the cost model: " + _PURE,
+    "tests/unit/test_demo_rl_args.py": "the RL demo's command line: " + _PURE,
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
 }
@@ -1217,12 +1366,14 @@ LEFT_OUT_FOLDERS = {
 }
 
 
+UNCLASSIFIED = "not classified for the GPU check (a new file?)"
+
+
 def left_out_reason(path: str) -> str:
     """Why a test file is not run here."""
     if path in LEFT_OUT:
         return LEFT_OUT[path]
-    return LEFT_OUT_FOLDERS.get(path.rsplit("/", 1)[0],
-                                "not classified for the GPU check (a new file?)")
+    return LEFT_OUT_FOLDERS.get(path.rsplit("/", 1)[0], UNCLASSIFIED)
 
 
 def select_tests(root: Path = ROOT) -> tuple[list[str], list[tuple[str, str]]]:

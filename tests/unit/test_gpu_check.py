@@ -53,7 +53,7 @@ def test_quick_fills_small_defaults_and_keeps_given_ones():
     (["--device", "tpu"], "--device: invalid choice: 'tpu'"),
     (["--model", "gpt-5"], "--model: invalid choice: 'gpt-5'"),
     (["--src", "tq4"], "--src: bad parallel spec 'tq4'"),
-    (["--probe", "nope"], "--probe: expected one of ['cuda-ipc', 'nccl-peer', 'nccl-registered'"),
+    (["--probe", "nope"], "--probe: expected one of ['colocated', 'cuda-ipc', 'nccl-peer'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_arguments_name_what_was_expected(argv, message, capsys):
@@ -226,6 +226,17 @@ def test_ipc_probe_runs_in_a_subprocess_on_the_host(tmp_path):
     assert check.name.startswith("shared host memory (debug) between two processes")
 
 
+def test_colocated_probe_runs_in_a_subprocess_on_the_host(tmp_path):
+    """Two processes, each a trainer and an engine rank, through the colocated transport:
+    exact after a first refit, an in-place update and a reallocation; then timed."""
+    (check,) = gc.probe_in_subprocess("colocated", tmp_path, 120, device="cpu",
+                                      extra=("--quick",))
+    assert check.status == "pass", check
+    assert check.name.startswith("colocated transport over shared host memory (debug)")
+    assert check.detail.count("25 tensors exact after 3 refits") == 2, check.detail
+    assert "GB/s" in check.detail
+
+
 def test_probe_results_say_how_a_silent_probe_ended(tmp_path):
     log = tmp_path / "probe.log"
     log.write_text("starting\nRuntimeError: no NCCL\n")
@@ -248,6 +259,8 @@ def test_every_test_file_is_run_or_left_out_with_a_reason():
     assert sorted(chosen + [f for f, _ in not_run]) == present
     assert ("tests/unit/test_gpu_check.py", "this check's own CPU test") in not_run
     assert all(why for _, why in not_run)
+    unclassified = [f for f, why in not_run if why == gc.UNCLASSIFIED]
+    assert not unclassified, f"add to TESTS_RUN or LEFT_OUT in gpu_check.py: {unclassified}"
 
 
 def test_run_test_file_counts_and_reasons(tmp_path):

@@ -101,9 +101,22 @@ def graph() -> dict[str, set[str]]:
                 if t != m} for m in MODULES}
 
 
+#: Packages of the optional extras (pyproject.toml): a module that needs one may be
+#: left unimported where it is not installed (``make test`` installs them all).
+OPTIONAL = {"vllm", "megatron", "ray", "rich", "matplotlib", "transformers"}
+
+
 def test_every_module_imports():
+    missing = []
     for module in MODULES:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in OPTIONAL:
+                raise
+            missing.append(f"{module} (needs {e.name})")
+    if missing:
+        pytest.skip(f"optional packages not installed: {', '.join(missing)}")
 
 
 def test_imports_are_absolute_and_known():
