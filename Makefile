@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m ruff check src tests benchmarks
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(VPY) -m ruff check src tests benchmarks
