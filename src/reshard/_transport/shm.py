@@ -2,7 +2,8 @@
 
 Each source rank exports its local tensors once -- their storage moved into shared
 memory (``share_memory_``, in place: every view of it follows) and named by the file
-descriptor that holds it -- and again only when a tensor's storage changed (a trainer
+descriptor that holds it and a token never given twice (fd numbers and addresses of
+freed storages come back) -- and again only when a tensor's storage changed (a trainer
 that reshards, offloads or reallocates between refits). Each destination rank maps the
 exported storages (``/proc/<pid>/fd/<fd>``, once per storage) and copies the plan's
 regions straight from them into its targets: no communicator carries weights, no
@@ -80,7 +81,6 @@ class SharedMemoryRunner:
         """Export what changed, learn the others' exports, copy this rank's regions."""
         self.broken = False
         mine, problem = self._export(src)
-        _synchronize(src[n] for n in self._exports if n in src)  # last writes done
         views = self._gather((machine_id(), mine, problem))
         self._refuse(views)
         for r, (_, exports, _) in enumerate(views):
@@ -104,6 +104,7 @@ class SharedMemoryRunner:
                 if not self._unchanged(name, tensor):  # first run, or it moved
                     out[name] = _export_spec(tensor, tokens)
                     self._exported[name] = _identity(tensor)
+            _synchronize(src[n] for n in self._exports)  # its last writes are done
         except Exception as e:  # a source that cannot be read: refused on every rank
             return {}, f"rank {self.rank}: exporting a source tensor failed ({e!r})"
         self.exports += len(out)
