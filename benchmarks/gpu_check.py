@@ -52,7 +52,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from math import prod
@@ -1047,20 +1047,32 @@ def probe_cuda_ipc(args: argparse.Namespace) -> Iterator[Check]:
     yield run_check(ipc_name(args.device), lambda: _ipc_transfer(args.device))
 
 
-def _ipc_transfer(device: str) -> tuple[str, str]:
+def _spawn_context():
     import torch.multiprocessing as tmp
 
-    ctx = tmp.get_context("spawn")
-    to_child, from_child = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=ipc_receiver, args=(to_child, from_child, device), daemon=True)
+    return tmp.get_context("spawn")
+
+
+@contextmanager
+def _child(ctx, target: Callable[..., None], *args: Any) -> Iterator[None]:
+    """A spawned process running ``target(*args)`` while the block runs; joined after
+    it, killed if it does not end."""
+    child = ctx.Process(target=target, args=args, daemon=True)
     child.start()
     try:
-        return _ipc_send(to_child, from_child, device)
+        yield
     finally:
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
             child.join(timeout=5)
+
+
+def _ipc_transfer(device: str) -> tuple[str, str]:
+    ctx = _spawn_context()
+    to_child, from_child = ctx.Queue(), ctx.Queue()
+    with _child(ctx, ipc_receiver, to_child, from_child, device):
+        return _ipc_send(to_child, from_child, device)
 
 
 def _ipc_send(to_child, from_child, device: str) -> tuple[str, str]:
@@ -1155,21 +1167,11 @@ def probe_colocated(args: argparse.Namespace) -> Iterator[Check]:
 
 
 def _colocated_pair(args: argparse.Namespace) -> tuple[str, str]:
-    import torch.multiprocessing as tmp
-
-    ctx, port = tmp.get_context("spawn"), free_port()
+    ctx, port = _spawn_context(), free_port()
     outbox = ctx.Queue()
-    child = ctx.Process(target=colocated_rank, daemon=True,
-                        args=(1, port, args.device, args.model, args.repeats, outbox))
-    child.start()
-    try:
+    with _child(ctx, colocated_rank, 1, port, args.device, args.model, args.repeats, outbox):
         mine = _colocated_rank(0, port, args.device, args.model, args.repeats)
         status, detail = outbox.get(timeout=PROBE_TIMEOUT)
-    finally:
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=5)
     worst = next((s for s in (FAIL, ERROR) if s in (mine[0], status)), PASS)
     return worst, f"rank 0: {mine[1]}; rank 1: {detail}"
 
@@ -1194,8 +1196,7 @@ def _colocated_rank(rank: int, port: int, device: str, model: str,
         plan = colocated_plan("tiny-qwen3")
         ex = Executor(plan, comm, method="colocated")
         src = {t.name: fill_local(t.src, rank).to(device) for t in plan.tensors}
-        dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype),
-                                   device=device) for t in plan.tensors}
+        dst = rank_tensors(plan, rank, "unpack", device)
         wrong = []
         for salt, how in ((0, "first"), (1, "updated in place"), (2, "reallocated")):
             if how == "updated in place":
@@ -1226,10 +1227,7 @@ def _colocated_timed(comm, rank: int, device: str, model: str, repeats: int) -> 
     layers = colocated_timed_layers(model)
     plan = colocated_plan(model, layers, r"\.layers\.")
     ex = Executor(plan, comm, method="colocated")
-    src = {t.name: random_tensor(t.src.local_shape(rank), getattr(torch, t.src.dtype), device)
-           for t in plan.tensors}
-    dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype),
-                               device=device) for t in plan.tensors}
+    src, dst = (rank_tensors(plan, rank, side, device) for side in ("pack", "unpack"))
     stats = ex.run(src, dst)  # exports and maps once
     times = []
     for _ in range(repeats):

@@ -239,7 +239,9 @@ def _export_spec(tensor: torch.Tensor, tokens: dict[int, int]) -> tuple:
     except RuntimeError as e:  # shared another way (the file_system sharing strategy)
         raise TransferError("the colocated transport needs torch.multiprocessing's "
                             f"file_descriptor sharing strategy: {e}") from e
-    token = tokens.setdefault(storage.data_ptr(), next(_TOKENS))
+    if storage.data_ptr() not in tokens:  # one token per storage in an export
+        tokens[storage.data_ptr()] = next(_TOKENS)
+    token = tokens[storage.data_ptr()]
     return ("cpu", os.getpid(), token, fd, nbytes, tensor.storage_offset(),
             tuple(tensor.shape), tuple(tensor.stride()),
             str(tensor.dtype).removeprefix("torch."))
