@@ -14,7 +14,7 @@ bf16 or fp32). After every refit:
 
 The same engine code on both sides makes the comparison exact in bf16 as in fp32 (a
 greedy tie breaks the same way in both). Each case starts two engines (~25-40 s each
-on 2 cores), one at a time. The figures of the README's family table come from here:
+on 2 cores), one at a time. The figures of docs/vllm.md's family table come from here:
 ``pytest tests/integration/test_vllm_families.py -s | grep '^| '``.
 """
 

@@ -1,0 +1,60 @@
+"""The README and docs/ link only to what exists: every relative link names a file of
+the repository, and every ``#anchor`` a heading of the page it points to (as GitHub
+makes anchors from headings). Every page of docs/ opens with a title and then says what
+it is for, and the README stays short."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces -> '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # no headings in code
+    return {anchor(m[1]) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+def test_anchor_follows_github():
+    assert anchor("Emulated nodes with a network card per rank (`--nic-per-rank`)") == \
+        "emulated-nodes-with-a-network-card-per-rank---nic-per-rank"
+    assert anchor("One call: `reshard.redistribute`") == "one-call-reshardredistribute"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_relative_links_resolve(page):
+    bad = []
+    for target in links(page):
+        path, _, frag = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif frag and dest.suffix == ".md" and frag not in anchors(dest):
+            bad.append(f"{target}: no such heading in {dest.name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=[p.name for p in PAGES[1:]])
+def test_each_docs_page_opens_with_what_it_is_for(page):
+    lines = page.read_text().splitlines()
+    assert lines[0].startswith("# ") and lines[1] == "" and lines[2], page.name
+
+
+def test_readme_stays_short():
+    assert len(PAGES[0].read_text().splitlines()) <= 260
