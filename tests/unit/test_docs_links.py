@@ -58,3 +58,14 @@ def test_each_docs_page_opens_with_what_it_is_for(page):
 
 def test_readme_stays_short():
     assert len(PAGES[0].read_text().splitlines()) <= 260
+
+
+def test_architecture_picture_names_every_module():
+    """docs/architecture.md's picture names each module of src/reshard (by its file name
+    without .py): a module added or split must be drawn too."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    picture = text.split("```\n", 2)[1]
+    src = ROOT / "src" / "reshard"
+    modules = {p.stem for p in src.rglob("*.py") if p.stem != "__init__"}
+    missing = sorted(m for m in modules if not re.search(rf"(?<![\w.]){m}(?!\w)", picture))
+    assert not missing, f"docs/architecture.md's picture does not name: {missing}"
