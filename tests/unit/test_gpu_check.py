@@ -1,11 +1,10 @@
-"""``benchmarks/gpu_check.py`` on the host, so that it cannot rot between GPU runs: its
-arguments, the one line it prints without a GPU, its report, and its measurements and
-checks run small on the CPU (``--device cpu --quick``, a debug mode, not a GPU
-measurement)."""
+"""``benchmarks/gpu_check.py`` (the package ``benchmarks/gpu_checks/``) on the host, so that
+it cannot rot between GPU runs: its arguments, the one line it prints without a GPU, its
+report, and its measurements and checks run small on the CPU (``--device cpu --quick``, a
+debug mode, not a GPU measurement)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,20 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from reshard.schedule import flat_schedule
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.append(str(ROOT / "benchmarks"))  # where the script finds its package
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
-
+import gpu_checks as gc  # noqa: E402
+from gpu_checks import features, pytest_runs, staging  # noqa: E402
 
 # ---------------------------------------------------------------------------- arguments
 
@@ -157,7 +151,7 @@ def test_a_mismatch_and_only_a_mismatch_makes_exit_1():
 
 def test_quick_cpu_run_writes_the_report(tmp_path, capsys, monkeypatch):
     # importing the vLLM integration takes seconds where vLLM is installed; the rest stays
-    monkeypatch.setattr(gc, "MODULES", tuple(m for m in gc.MODULES if m[1] is None))
+    monkeypatch.setattr(features, "MODULES", tuple(m for m in features.MODULES if m[1] is None))
     out = tmp_path / "out"
     assert gc.main(["--device", "cpu", "--quick", "--no-pytest", "--out", str(out)]) == 0
     report = json.loads((out / "gpu_check.json").read_text())
@@ -182,7 +176,7 @@ def test_quick_cpu_run_writes_the_report(tmp_path, capsys, monkeypatch):
 
 def _tiny_plan():
     plan, _ = gc.tiny_problem("cpu")
-    return plan, gc.flat_schedule(plan, 4096)
+    return plan, flat_schedule(plan, 4096)
 
 
 @pytest.mark.parametrize("side, rank", [("pack", 0), ("unpack", 4)])
@@ -202,7 +196,7 @@ def test_unreachable_library_staging_falls_back_to_plain(monkeypatch):
     def broken(*args, **kwargs):
         raise AttributeError("'RankRunner' object has no attribute '_arenas'")
 
-    monkeypatch.setattr(gc, "LibraryStager", broken)
+    monkeypatch.setattr(staging, "LibraryStager", broken)
     stager = gc.make_stager("library", schedule, 0, gc.plan_dtypes(plan), "cpu")
     assert isinstance(stager, gc.PlainStager)
     assert stager.name == ("plain (library staging not reachable: AttributeError: "
@@ -260,7 +254,8 @@ def test_every_test_file_is_run_or_left_out_with_a_reason():
     assert ("tests/unit/test_gpu_check.py", "this check's own CPU test") in not_run
     assert all(why for _, why in not_run)
     unclassified = [f for f, why in not_run if why == gc.UNCLASSIFIED]
-    assert not unclassified, f"add to TESTS_RUN or LEFT_OUT in gpu_check.py: {unclassified}"
+    assert not unclassified, (
+        f"add to TESTS_RUN or LEFT_OUT in gpu_checks/pytest_runs.py: {unclassified}")
 
 
 def test_run_test_file_counts_and_reasons(tmp_path):
@@ -276,7 +271,7 @@ def test_run_test_file_counts_and_reasons(tmp_path):
 
 
 def test_run_test_file_kills_a_file_past_its_timeout(tmp_path, monkeypatch):
-    monkeypatch.setattr(gc, "MIN_TEST_SECONDS", 2.5)
+    monkeypatch.setattr(pytest_runs, "MIN_TEST_SECONDS", 2.5)
     (tmp_path / "test_slow.py").write_text("import time\ndef test_sleeps():\n    time.sleep(60)\n")
     run = gc.run_test_file("test_slow.py", tmp_path, 3, cwd=tmp_path)
     assert run.status == "error" and run.detail.startswith("timed out after 3 s, killed")
