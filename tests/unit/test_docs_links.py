@@ -69,3 +69,62 @@ def test_architecture_picture_names_every_module():
     modules = {p.stem for p in src.rglob("*.py") if p.stem != "__init__"}
     missing = sorted(m for m in modules if not re.search(rf"(?<![\w.]){m}(?!\w)", picture))
     assert not missing, f"docs/architecture.md's picture does not name: {missing}"
+
+
+# --- commands ---------------------------------------------------------------------------
+
+PROGRAM = re.compile(r"^(?:sudo )?(?:[A-Z_]+=\S+ )*(?:python3?|\.venv/bin/python) "
+                     r"(?:-m (?P<module>[\w.]+)|(?P<script>benchmarks/\w+\.py))"
+                     r"|^(?:sudo )?reshard (?P<sub>\w+)|^bash (?P<shell>\S+)")
+
+
+def commands(page: Path) -> list[str]:
+    """The command lines of a page's (non-Python) code blocks, indented ones included,
+    continuation lines joined, and its inline code that is a command."""
+    text = page.read_text()
+    lines = [b.replace("\\\n", " ").splitlines()
+             for lang, b in re.findall(r"```(\w*)\n(.*?)```", text, re.S) if lang != "python"]
+    found = [line.strip() for block in lines for line in block]
+    found += [line[4:] for line in text.splitlines()
+              if line.startswith("    ") and not line.startswith("     ")]
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    found += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
+    return [c for c in found if PROGRAM.match(c)]
+
+
+def flags_of(match: re.Match) -> set[str] | None:
+    """The options the command's program defines (None: it has none to check)."""
+    if match["sub"]:
+        from reshard.tools.cli import build_parser
+
+        sub = next(a for a in build_parser()._subparsers._group_actions
+                   if hasattr(a, "choices")).choices.get(match["sub"])
+        assert sub is not None, f"reshard has no command {match['sub']!r}"
+        return {s for a in sub._actions for s in a.option_strings}
+    if match["shell"]:
+        assert (ROOT / match["shell"]).exists(), match["shell"]
+        return None
+    if match["module"] and not match["module"].startswith("reshard."):
+        return None  # pytest, torch.distributed.run: not ours to check
+    if match["module"]:
+        path = ROOT / "src" / (match["module"].replace(".", "/") + ".py")
+        sources = [path]
+    else:
+        path = ROOT / match["script"]
+        sources = [path, *sorted((path.parent / (path.stem + "s")).glob("*.py"))]
+    assert path.exists(), f"no {path.relative_to(ROOT)}"
+    return set(re.findall(r"[\"'](--[\w-]+)[\"']", "".join(p.read_text() for p in sources)))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_commands_name_what_exists(page):
+    """Each command of a page runs a script, module or `reshard` command that exists,
+    with options it defines."""
+    bad = []
+    for command in commands(page):
+        flags = flags_of(PROGRAM.match(command))
+        if flags is None:
+            continue
+        used = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", command.split("#")[0]))
+        bad += [f"{command}: {f} is not an option" for f in sorted(used - flags)]
+    assert not bad, "\n".join(bad)
