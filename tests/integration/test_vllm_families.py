@@ -48,8 +48,10 @@ from reshard.integrations.vllm import collective  # noqa: E402
 from reshard.tools.launch import free_port  # noqa: E402
 
 #: (family, trainer sharding, engine dtype, vLLM TP, refit steps): every new family in
-#: bf16 and fp32, a dense model at TP1 (fp32) and TP4 (bf16; 2 kv heads, so replicated)
+#: bf16 and fp32, a dense model at TP1 (fp32) and TP4 (bf16; 2 kv heads, so replicated);
+#: Gemma 2 (its LM head is the embedding module) in bf16, the other dtype in MORE_CASES
 CASES = [
+    ("gemma2", "fsdp", "bfloat16", 2, 1),
     ("mistral", "tp", "bfloat16", 2, 1),
     ("mistral", "tp", "float32", 2, 1),
     ("gemma3", "fsdp", "bfloat16", 2, 1),
@@ -61,8 +63,10 @@ CASES = [
     ("llama", "fsdp", "float32", 1, 1),
     ("llama", "fsdp", "bfloat16", 4, 1),
 ]
-#: the other dtype at TP1 and TP4, run with RESHARD_ALL_FAMILIES=1 (two engines each)
+#: the other dtype at TP1 and TP4 (and of Gemma 2), run with RESHARD_ALL_FAMILIES=1 (two
+#: engines each)
 MORE_CASES = [
+    ("gemma2", "fsdp", "float32", 2, 1),
     ("llama", "fsdp", "bfloat16", 1, 1),
     ("llama", "fsdp", "float32", 4, 1),
 ]

@@ -2,7 +2,9 @@
 rank's logical vLLM tensors built through the mapping equal those sliced and
 concatenated here by hand, the way vLLM's loaders do (``fused_qkv_a_proj`` = [q_a |
 kv_a], column-parallel ``q_b_proj`` / ``kv_b_proj``; Mamba ``in_proj`` = [z | x | B | C |
-dt] and ``conv1d`` = [x | B | C], each block split over the ranks; ``A`` from ``A_log``)."""
+dt] and ``conv1d`` = [x | B | C], each block split over the ranks; ``A`` from ``A_log``).
+Also what keeps vLLM's Gemma 2 (its LM head is the embedding module) exact: that
+embedding reloaded, not written in place, and the weight check of packed GEMMs."""
 
 from __future__ import annotations
 
@@ -111,3 +113,54 @@ def test_an_attention_that_dropped_its_weight_after_loading_is_refused_by_name()
     attn.is_amx_bmm_enabled = True
     with pytest.raises(MappingError, match=r"^0: .*kv_b_proj.*CPU_MLA"):
         refuse_unreloadable(model)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Stands for vLLM's class of that name (the integration looks at the type name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.quant_method = object()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    pass
+
+
+def test_an_embedding_that_is_the_lm_head_is_not_written_in_place():
+    """vLLM's Gemma 2 has no LM head module: its logits come from the embedding module,
+    through the GEMM copy vLLM CPU packs of it after loading. Written in place, the
+    embedding would change and its copy (so the logits) would not: it must be reloaded.
+    With an LM head of its own, the embedding is only looked up and stays in place."""
+    pytest.importorskip("vllm")
+    from reshard.integrations.vllm import has_own_lm_head, kept_live
+
+    model = torch.nn.Module()
+    model.embed_tokens = VocabParallelEmbedding()
+    where = {"embed_tokens.weight": ("embed_tokens", "weight", (8, 4), torch.float32)}
+    assert not has_own_lm_head(model) and kept_live(model, where) == set()
+    model.lm_head = ParallelLMHead()
+    assert has_own_lm_head(model) and kept_live(model, where) == {"embed_tokens.weight"}
+
+
+def test_a_stale_packed_gemm_is_found_by_the_weight_check():
+    """``reshard_verify``'s packed-GEMM check: a linear whose weight changed after vLLM
+    packed its CPU GEMM copy computes with the old weights; the check applies both the
+    live copy and one packed fresh from the reference to one input and names it."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from reshard.integrations.vllm import packed_gemm_mismatches
+
+    g = torch.Generator().manual_seed(0)
+    old, new = (torch.randn(64, 32, generator=g).bfloat16() for _ in range(2))
+    model = torch.nn.Module()
+    model.proj = torch.nn.Module()
+    model.proj.weight = torch.nn.Parameter(old.clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(model.proj, remove_weight=False)  # vLLM's own packing
+    assert packed_gemm_mismatches(model, {"proj.weight": old}, {}) == []
+    model.proj.weight.data.copy_(new)  # written in place: the packed copy is stale
+    assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == ["proj (packed GEMM)"]
+    dispatch_cpu_unquantized_gemm(model.proj, remove_weight=False)  # what a reload does
+    assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == []

@@ -1,8 +1,8 @@
 """The trainer side with Hugging Face transformers: tiny models and their sharding.
 
 * :func:`tiny_config` / :func:`build_tiny_model`: a small random model (Qwen3, Qwen3-MoE,
-  Llama, Qwen2, Mistral, Gemma 3 text, DeepSeek-V3, NemotronH) built locally (no hub
-  access) and saved with ``save_pretrained`` (bf16 safetensors), ``head_dim`` >= 32 so
+  Llama, Qwen2, Mistral, Gemma 2, Gemma 3 text, DeepSeek-V3, NemotronH) built locally (no
+  hub access) and saved with ``save_pretrained`` (bf16 safetensors), ``head_dim`` >= 32 so
   that vLLM's CPU attention accepts it.
 * :func:`shard_fsdp2`: FSDP2 (``fully_shard`` on every decoder layer, then the root).
 * :func:`shard_tp`: tensor parallelism with ``parallelize_module`` (q/k/v/gate/up
@@ -44,8 +44,8 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
     """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads (Qwen2
     derives its head size from the hidden size: hidden 128 there, as vLLM's CPU attention
     rejects heads of 16). Kinds: ``qwen3``, ``qwen3_moe``, ``llama``, ``qwen2`` (q/k/v
-    biases), ``mistral``, ``gemma3`` (text), ``deepseek_v3`` (MLA + MoE), ``nemotron_h``
-    (Mamba2 hybrid)."""
+    biases), ``mistral``, ``gemma2``, ``gemma3`` (text), ``deepseek_v3`` (MLA + MoE),
+    ``nemotron_h`` (Mamba2 hybrid)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -112,8 +112,20 @@ def _nemotron_h(common: dict, overrides: dict) -> Any:
     return NemotronHConfig(**{**base, **mamba, **overrides})
 
 
+def _gemma2(common: dict, overrides: dict) -> Any:
+    """Gemma 2: tied embeddings, attention and final logit softcaps, one sliding-window
+    layer (64) and one full, a single key/value head (replicated over vLLM's TP ranks)
+    and an odd vocabulary (509: padded rows on the last rank)."""
+    from transformers import Gemma2Config
+
+    gemma = dict(tie_word_embeddings=True, num_key_value_heads=1, query_pre_attn_scalar=32,
+                 sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0, vocab_size=509)
+    return Gemma2Config(**{**common, **gemma, **overrides})
+
+
 _MORE_KINDS = {"mistral": _mistral, "gemma3": _gemma3, "deepseek_v3": _deepseek_v3,
-               "nemotron_h": _nemotron_h}
+               "nemotron_h": _nemotron_h, "gemma2": _gemma2}
 
 
 def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,

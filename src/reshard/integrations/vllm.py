@@ -110,7 +110,8 @@ from reshard.integrations.vllm_mapping import (
 
 __all__ = [
     "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
-    "ReshardWorkerExtension", "collective", "kept_live", "logical_params", "map_or_explain",
+    "ReshardWorkerExtension", "collective", "has_own_lm_head", "kept_live", "logical_params",
+    "map_or_explain", "packed_gemm_mismatches",
     "refuse_unreloadable", "register", "tied_aliases",
 ]
 
@@ -308,8 +309,18 @@ def _restore_loaders(saved: Sequence[tuple[torch.Tensor, dict]]) -> None:
 
 #: Modules whose forward reads the parameter as loaded even though they carry a
 #: ``quant_method`` (an embedding lookup reads ``weight``; on CPU the method also packs a
-#: GEMM copy of it, which only a tied LM head would use: see :func:`kept_live`).
+#: GEMM copy of it, which only an LM head made of the embedding would use: see
+#: :func:`kept_live`).
 _READS_WEIGHT_AS_LOADED = ("VocabParallelEmbedding",)
+
+
+def has_own_lm_head(model: torch.nn.Module) -> bool:
+    """Whether the model computes its logits with an LM head module of its own
+    (``ParallelLMHead``). Where it has none, the logits come from the embedding module
+    itself (vLLM's Gemma 2, Gemma 3n, Command R: ``logits_processor(embed_tokens, ...)``),
+    through the GEMM copy vLLM CPU packs of the embedding after loading: writing the
+    embedding in place would leave that copy, and so the logits, at the old weights."""
+    return any(type(m).__name__ == "ParallelLMHead" for m in model.modules())
 
 
 def kept_live(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
@@ -319,25 +330,65 @@ def kept_live(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[
     checkpoint (logical) form and whose module reads them as they are, decided from what
     vLLM holds now. A module is kept live whole or not at all (vLLM reloads layer by
     layer): norms, embeddings, Mamba ``A`` / ``D`` / ``dt_bias``; not linear layers that
-    vLLM repacks (CPU GEMMs), MoE experts it pads, or a tensor other modules hold too
-    (``aliases``, see :func:`tied_aliases`: an embedding tied to an LM head)."""
+    vLLM repacks (CPU GEMMs), MoE experts it pads, a tensor other modules hold too
+    (``aliases``, see :func:`tied_aliases`: an embedding tied to an LM head), or an
+    embedding that is itself the LM head (no ``ParallelLMHead``, see
+    :func:`has_own_lm_head`: its packed GEMM copy makes the logits)."""
     aliases = aliases or {}
+    embedding_read_as_loaded = has_own_lm_head(model)
     by_module: dict[str, list[str]] = {}
     for name, (mname, _, _, _) in where.items():
         by_module.setdefault(mname, []).append(name)
     live: set[str] = set()
     for mname, names in by_module.items():
         module = model.get_submodule(mname) if mname else model
-        if _reads_as_loaded(module) and all(
+        if _reads_as_loaded(module, embedding_read_as_loaded) and all(
                 _holds_logical(getattr(module, where[n][1]), where[n]) and
                 n not in aliases for n in names):
             live.update(names)
     return live
 
 
-def _reads_as_loaded(module: torch.nn.Module) -> bool:
+def _reads_as_loaded(module: torch.nn.Module, embedding: bool = True) -> bool:
     kind = type(module).__name__
-    return getattr(module, "quant_method", None) is None or kind in _READS_WEIGHT_AS_LOADED
+    return getattr(module, "quant_method", None) is None or (
+        embedding and kind in _READS_WEIGHT_AS_LOADED)
+
+
+def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch.Tensor],
+                           aliases: Mapping[str, Sequence[tuple[str, str]]]) -> list[str]:
+    """The modules whose packed CPU GEMM (``cpu_linear``, the copy vLLM CPU makes of a
+    linear's or an embedding's weight after loading; the embedding's serves an LM head
+    made of it) computes otherwise than a GEMM packed fresh from ``reference`` (vLLM
+    name -> this rank's logical tensor): both applied to one fixed input, bit for bit,
+    with vLLM's own packing routine, so the same kernel runs on both sides."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holders = {}
+    for name in reference:
+        mname, _, attr = name.rpartition(".")
+        if attr == "weight":
+            holders[mname] = name
+            for alias, a_attr in aliases.get(name, ()):
+                if a_attr == "weight":
+                    holders[alias] = name
+    # an embedding beside an LM head of its own is only looked up: its copy is never read
+    unread = _READS_WEIGHT_AS_LOADED if has_own_lm_head(model) else ()
+    bad, gen = [], torch.Generator().manual_seed(0)
+    for mname, name in sorted(holders.items()):
+        module = model.get_submodule(mname) if mname else model
+        ref = reference[name]
+        if (not callable(getattr(module, "cpu_linear", None)) or ref.dim() != 2
+                or type(module).__name__ in unread):
+            continue
+        fresh = torch.nn.Module()
+        fresh.weight = torch.nn.Parameter(ref.clone(), requires_grad=False)
+        dispatch_cpu_unquantized_gemm(fresh, remove_weight=False)
+        x = torch.randn(3, ref.shape[1], generator=gen).to(ref.dtype)
+        if not torch.equal(module.cpu_linear(x, module.weight, None),
+                           fresh.cpu_linear(x, fresh.weight, None)):
+            bad.append(f"{mname} (packed GEMM)")
+    return bad
 
 
 def _holds_logical(live: Any, entry: tuple[str, str, tuple[int, ...], torch.dtype]) -> bool:
@@ -639,6 +690,7 @@ class ReshardState:
                       if n not in ref or not _same(ref[n], self._as_loaded(n, b))]
         mismatched += [f"{n} (derived buffer)" for d, n in self.derived
                        if n in ref and not _same(d, ref[n].view(d.shape))]
+        mismatched += packed_gemm_mismatches(self.model, ref, self.aliases)
         live = dict(self.model.named_parameters())
         # packed linears are empty on CPU (shape differs); MoE experts are reordered in
         # place whatever their shape: compare the others, which vLLM leaves as loaded
