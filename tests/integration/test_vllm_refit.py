@@ -9,7 +9,10 @@ parallelism, AdamW steps) against one vLLM engine and checks after every refit:
   loaders, the live weights untouched); the parameters vLLM keeps unpacked are also
   compared live;
 * generation: vLLM's greedy tokens equal those of the transformers model holding the
-  same weights; prompt logprobs agree within a small tolerance;
+  same weights; prompt logprobs agree within a small tolerance; among the prompts, one
+  as rollouts are asked (:data:`LONG_PROMPT`: several KV blocks, no prompt logprobs),
+  sent before every refit too, so that vLLM's prefix cache holds it computed with the
+  previous weights: after the refit it must answer from the new ones;
 * the version vLLM reports equals the trainer's step;
 * bytes: each vLLM rank receives exactly its shard (computed here from the config),
   never a full tensor -- fused qkv / gate_up / MoE w13+w2 and the padded vocabulary
@@ -61,6 +64,13 @@ EXT = "reshard.integrations.vllm.ReshardWorkerExtension"
 QKV0 = "model.layers.0.self_attn.qkv_proj.weight"
 PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 MAX_TOKENS = 8
+#: A rollout-shaped prompt (an RL run's shared system prompt, served again at every step):
+#: 300 tokens, two full KV blocks of vLLM CPU (128 tokens a block), which its prefix cache
+#: keeps; asked without prompt logprobs (those bypass the cache), as rollouts are. Token
+#: ids below 250 fit every tiny vocabulary.
+LONG_PROMPT = [1] + [2 + (37 * i + 11) % 248 for i in range(299)]
+#: Engines' context: the long prompt and its answer.
+MAX_MODEL_LEN = 512
 TP = 2
 # fp32 on both sides: the same math summed in another order (oneDNN GEMMs, vLLM's CPU
 # attention vs transformers' eager attention) differs in the last bits, ~1e-6 relative
@@ -86,7 +96,8 @@ class Engines:
                 self.dirs[kind] = hf.build_tiny_model(self.root / kind, family, **extra)
             self.llm = LLM(model=str(self.dirs[kind]), tensor_parallel_size=TP,
                            skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-                           max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXT,
+                           max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
+                           worker_extension_cls=EXT,
                            kv_cache_memory_bytes=KV_CACHE_BYTES,
                            weight_transfer_config={"backend": "reshard"})
             self.kind = (kind, dtype)
@@ -97,7 +108,8 @@ class Engines:
         engine in use is closed first, and the next ``get`` starts its own again."""
         self.close()
         self.llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
-                       enforce_eager=True, dtype=dtype, max_model_len=128, max_num_seqs=8,
+                       enforce_eager=True, dtype=dtype, max_model_len=MAX_MODEL_LEN,
+                       max_num_seqs=8,
                        seed=0, kv_cache_memory_bytes=KV_CACHE_BYTES)
         self.kind = "fresh"
         return self.llm
@@ -115,14 +127,33 @@ def engines(tmp_path_factory):
     e.close()
 
 
-def generate(llm) -> tuple[list[list[int]], list[list[float]]]:
+def generate(llm, long: bool = True) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of every prompt; per prompt, its prompt logprobs, and last (with
+    ``long``) :data:`LONG_PROMPT`'s tokens and their sample logprobs (no prompt logprobs:
+    vLLM serves it from its prefix cache where it holds it)."""
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                         detokenize=False, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    rollout = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             detokenize=False, logprobs=0)
+    prompts = PROMPTS + [LONG_PROMPT] * long
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [sp] * len(PROMPTS) + [rollout] * long, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[d[t].logprob for t, d in zip(p[1:], o.prompt_logprobs[1:])]
            for p, o in zip(PROMPTS, outs)]
+    if long:
+        out = outs[-1].outputs[0]
+        lps.append([d[t].logprob for t, d in zip(out.token_ids, out.logprobs)])
     return tokens, lps
+
+
+def serve_long_prompt(llm) -> list[int]:
+    """Ask :data:`LONG_PROMPT` as a rollout does: vLLM keeps its KV blocks in its prefix
+    cache, computed with the weights live now."""
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        detokenize=False)
+    out = llm.generate([{"prompt_token_ids": LONG_PROMPT}], sp, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
 
 
 def with_tied(model, state: dict) -> dict:
@@ -135,11 +166,14 @@ def with_tied(model, state: dict) -> dict:
 @torch.no_grad()
 def hf_reference(model, state) -> tuple[list[list[int]], list[list[float]]]:
     model.load_state_dict(with_tied(model, state))
-    tokens = hf.greedy_tokens(model, PROMPTS, MAX_TOKENS)
+    tokens = hf.greedy_tokens(model, PROMPTS + [LONG_PROMPT], MAX_TOKENS)
     lps = []
     for p in PROMPTS:
         logp = model(input_ids=torch.tensor([p])).logits[0].float().log_softmax(-1)
         lps.append([float(logp[i, p[i + 1]]) for i in range(len(p) - 1)])
+    ids = LONG_PROMPT + tokens[-1]  # the long prompt's answer: its sample logprobs
+    logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    lps.append([float(logp[len(LONG_PROMPT) - 1 + i, t]) for i, t in enumerate(tokens[-1])])
     return tokens, lps
 
 
@@ -188,8 +222,13 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
             assert [i["rank"] for i in infos] == list(range(TP))
             records = []
             for step in range(1, steps + 1):
+                serve_long_prompt(llm)  # cached with the previous weights
                 if path == "extension":
                     res = collective(llm, "reshard_refit")
+                    # the engine core cleared its prefix cache and labels outputs anew
+                    assert all(r.get("prefix_cache_reset") for r in res if r["ok"]), res
+                    if res[0]["ok"]:
+                        assert llm.get_weight_version() == str(step)
                 else:
                     llm.start_weight_update()
                     llm.update_weights({"update_info": {}})  # a failed refit does not raise
@@ -436,3 +475,58 @@ def test_colocated_trainer_refits_vllm_through_shared_memory(engines, tmp_path):
         fresh = fresh_engine_answers(engines, engines.dirs["qwen3"],
                                      tmp_path / "out" / f"step{step}.pt", tmp_path / str(step))
         assert (rec["tokens"], rec["lps"]) == fresh, step
+
+
+def test_in_flight_request_at_a_commit_goes_on_with_new_kv(engines, tmp_path):
+    """A request generating while a refit commits: vLLM's prefix cache is cleared with
+    the running requests preempted, so the request recomputes its whole KV (prompt and
+    the tokens it generated so far) with the new weights and goes on from there. Its
+    output's ``weight_versions`` says which tokens each version produced; the first
+    ``k`` are the old weights' (what the engine answered before), the rest exactly what a
+    fresh engine of the new step answers to the prompt followed by those ``k`` tokens,
+    tokens and sample logprobs bit for bit. No token after the commit reads KV computed
+    with the old weights (it would differ from the fresh engine's)."""
+    llm, model_dir = engines.get("qwen3")
+    n = 160  # long enough to be generating when the refit's call reaches the engine
+    def greedy(max_tokens: int = n) -> SamplingParams:  # LLM.generate makes its own final-only
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, logprobs=0)
+
+    before = llm.generate([{"prompt_token_ids": LONG_PROMPT}], greedy(), use_tqdm=False)
+    old_tokens = list(before[0].outputs[0].token_ids)
+    port, out = free_port(), tmp_path / "out"
+    out.mkdir()
+    with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
+        job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
+                                "--shard", "fsdp", "--steps", "1"], stdout=so, stderr=se)
+        try:
+            collective(llm, "reshard_init", "127.0.0.1", port, 2)
+            engine = llm.llm_engine
+            engine.add_request("in-flight", {"prompt_token_ids": LONG_PROMPT}, greedy())
+            generated, final = 0, None
+            while generated < 2 and final is None:  # until it is generating
+                for o in engine.step():
+                    generated, final = len(o.outputs[0].token_ids), o if o.finished else None
+            res = collective(llm, "reshard_refit")
+            while final is None:
+                final = next((o for o in engine.step() if o.finished), None)
+            job.wait(timeout=120)
+        finally:
+            job.kill()
+            collective(llm, "reshard_close")
+    assert job.returncode == 0, (tmp_path / "job.err").read_text()[-4000:]
+    assert all(r["ok"] and r["committed"] and r["prefix_cache_reset"] for r in res), res
+    got = final.outputs[0]
+    spans = [(s.version, s.start, s.end) for s in got.weight_versions]
+    assert len(spans) == 2 and spans[1][1:] == (spans[0][2], n) and spans[1][0] == "1", spans
+    k = spans[0][2]
+    assert 2 <= k < n, spans  # in flight at the commit
+    tokens, logprobs = list(got.token_ids), [d[t].logprob for t, d in
+                                             zip(got.token_ids, got.logprobs)]
+    assert tokens[:k] == old_tokens[:k]  # the old weights, before the commit
+    ckpt = hf.save_checkpoint(model_dir, torch.load(out / "step1.pt"), tmp_path / "ckpt")
+    fresh = engines.fresh(ckpt).generate(
+        [{"prompt_token_ids": LONG_PROMPT + tokens[:k]}],
+        greedy(n - k), use_tqdm=False)[0].outputs[0]
+    assert tokens[k:] == list(fresh.token_ids)  # the new weights, from recomputed KV
+    assert logprobs[k:] == [d[t].logprob for t, d in zip(fresh.token_ids, fresh.logprobs)]

@@ -50,7 +50,7 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=512,
-                  max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                  max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
     if kind == "qwen3":
         return Qwen3Config(**{**common, **overrides})

@@ -107,6 +107,7 @@ from reshard.integrations.vllm_mapping import (
     hf_to_vllm,
     unmapped_sides,
 )
+from reshard.integrations.vllm_plugin import require_loaded as require_plugin
 
 __all__ = [
     "ReshardInitInfo", "ReshardState", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
@@ -470,6 +471,7 @@ class ReshardState:
         the logical buffers: the receiver's (targets, layouts, direct names)."""
         model_config = self.vllm_config.model_config
         dtype = model_config.dtype
+        require_plugin()  # the engine core clears its prefix cache at every commit
         refuse_unreloadable(self.model)
         shapes = {n: s for n, (_, _, s, _) in self.where.items()}
         self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
