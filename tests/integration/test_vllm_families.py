@@ -49,9 +49,11 @@ from reshard.tools.launch import free_port  # noqa: E402
 
 #: (family, trainer sharding, engine dtype, vLLM TP, refit steps): every new family in
 #: bf16 and fp32, a dense model at TP1 (fp32) and TP4 (bf16; 2 kv heads, so replicated);
-#: Gemma 2 (its LM head is the embedding module) in bf16, the other dtype in MORE_CASES
+#: Gemma 2 (its LM head is the embedding module) and Mixtral (transformers 5's ``mlp`` into
+#: vLLM's ``block_sparse_moe``) in bf16, the other dtype in MORE_CASES
 CASES = [
     ("gemma2", "fsdp", "bfloat16", 2, 1),
+    ("mixtral", "fsdp", "bfloat16", 2, 1),
     ("mistral", "tp", "bfloat16", 2, 1),
     ("mistral", "tp", "float32", 2, 1),
     ("gemma3", "fsdp", "bfloat16", 2, 1),
@@ -63,10 +65,11 @@ CASES = [
     ("llama", "fsdp", "float32", 1, 1),
     ("llama", "fsdp", "bfloat16", 4, 1),
 ]
-#: the other dtype at TP1 and TP4 (and of Gemma 2), run with RESHARD_ALL_FAMILIES=1 (two
-#: engines each)
+#: the other dtype at TP1 and TP4 (and of Gemma 2, Mixtral), run with
+#: RESHARD_ALL_FAMILIES=1 (two engines each)
 MORE_CASES = [
     ("gemma2", "fsdp", "float32", 2, 1),
+    ("mixtral", "fsdp", "float32", 2, 1),
     ("llama", "fsdp", "bfloat16", 1, 1),
     ("llama", "fsdp", "float32", 4, 1),
 ]

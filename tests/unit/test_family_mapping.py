@@ -1,17 +1,23 @@
-"""HF -> vLLM mapping of MLA (DeepSeek-V3), Mamba2 hybrids (NemotronH) and Gemma 3: each
-rank's logical vLLM tensors built through the mapping equal those sliced and
-concatenated here by hand, the way vLLM's loaders do (``fused_qkv_a_proj`` = [q_a |
+"""HF -> vLLM mapping of MLA (DeepSeek-V3), Mamba2 hybrids (NemotronH), Gemma 3 and
+Mixtral: each rank's logical vLLM tensors built through the mapping equal those sliced
+and concatenated here by hand, the way vLLM's loaders do (``fused_qkv_a_proj`` = [q_a |
 kv_a], column-parallel ``q_b_proj`` / ``kv_b_proj``; Mamba ``in_proj`` = [z | x | B | C |
-dt] and ``conv1d`` = [x | B | C], each block split over the ranks; ``A`` from ``A_log``).
-Also what keeps vLLM's Gemma 2 (its LM head is the embedding module) exact: that
-embedding reloaded, not written in place, and the weight check of packed GEMMs."""
+dt] and ``conv1d`` = [x | B | C], each block split over the ranks; ``A`` from ``A_log``;
+Mixtral's router and experts in ``block_sparse_moe``). Also what keeps a family the rules
+only half know from refitting wrong without a word: the family gate, the embedding that
+is itself the LM head, the weight check of packed GEMMs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reshard.integrations.vllm_mapping import MappingError, hf_to_vllm
+from reshard.integrations.vllm_mapping import (
+    UNCHECKED_FAMILIES_ENV,
+    MappingError,
+    check_family,
+    hf_to_vllm,
+)
 
 H = 16
 MLA = {"hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -113,6 +119,86 @@ def test_an_attention_that_dropped_its_weight_after_loading_is_refused_by_name()
     attn.is_amx_bmm_enabled = True
     with pytest.raises(MappingError, match=r"^0: .*kv_b_proj.*CPU_MLA"):
         refuse_unreloadable(model)
+
+
+MIXTRAL = {"model_type": "mixtral", "hidden_size": H, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 4, "num_local_experts": 2,
+           "intermediate_size": 8, "vocab_size": 64}
+
+
+def test_mixtral_router_and_experts_land_in_vllms_block_sparse_moe():
+    """transformers 5 keeps Mixtral's router under ``mlp.gate`` and its experts fused
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); its checkpoint
+    and vLLM say ``block_sparse_moe`` (experts ``w1`` gate, ``w3`` up, ``w2`` down). Both
+    name sets map to the same vLLM tensors, equal to the hand-made slices."""
+    p, e, i = "model.layers.0", 2, 8
+    fused = {f"{p}.mlp.gate.weight": (e, H), f"{p}.mlp.experts.gate_up_proj": (e, 2 * i, H),
+             f"{p}.mlp.experts.down_proj": (e, H, i)}
+    sd = random_state(fused)
+    disk = {f"{p}.block_sparse_moe.gate.weight": sd[f"{p}.mlp.gate.weight"]}
+    for x in range(e):
+        gate, up = sd[f"{p}.mlp.experts.gate_up_proj"][x].chunk(2)
+        disk.update({f"{p}.block_sparse_moe.experts.{x}.w1.weight": gate,
+                     f"{p}.block_sparse_moe.experts.{x}.w3.weight": up,
+                     f"{p}.block_sparse_moe.experts.{x}.w2.weight":
+                         sd[f"{p}.mlp.experts.down_proj"][x]})
+    a = hf_to_vllm(MIXTRAL, 2, hf_tensors=fused, dtype="float32")
+    b = hf_to_vllm(MIXTRAL, 2, hf_tensors={n: tuple(t.shape) for n, t in disk.items()},
+                   dtype="float32")
+    assert a.param_shapes == b.param_shapes
+    w13 = next(n for n in a.param_shapes if n.endswith("w13_weight"))
+    w2 = next(n for n in a.param_shapes if n.endswith(".w2_weight"))
+    assert w13.startswith(f"{p}.block_sparse_moe.experts.") and not any(
+        ".mlp." in n for n in a.param_shapes)
+    for r in range(2):
+        got, got_disk = a.load_full(sd, r), b.load_full(disk, r)
+        assert torch.equal(got[f"{p}.block_sparse_moe.gate.weight"], disk[
+            f"{p}.block_sparse_moe.gate.weight"])
+        for x in range(e):
+            want13 = torch.cat([disk[f"{p}.block_sparse_moe.experts.{x}.{w}.weight"].chunk(2)[r]
+                                for w in ("w1", "w3")])
+            want2 = disk[f"{p}.block_sparse_moe.experts.{x}.w2.weight"].chunk(2, dim=1)[r]
+            assert torch.equal(got[w13][x], want13) and torch.equal(got_disk[w13][x], want13)
+            assert torch.equal(got[w2][x], want2) and torch.equal(got_disk[w2][x], want2)
+
+
+def test_a_family_never_checked_end_to_end_is_refused_unless_the_caller_opts_in(
+        monkeypatch):
+    """A family whose names and shapes all map can still refit wrong (vLLM's Gemma 2 makes
+    its logits from a packed copy of the embedding): only the families checked end to
+    end pass unasked; any other is refused by name, with the way to opt in."""
+    monkeypatch.delenv(UNCHECKED_FAMILIES_ENV, raising=False)
+    for family in ("gemma2", "mixtral", "qwen3", "gemma3_text"):
+        assert check_family({"model_type": family}) == family
+    with pytest.raises(MappingError) as e:
+        check_family({"model_type": "phi3", "hidden_size": H})
+    assert str(e.value).startswith(
+        "model_type 'phi3' is not among the families whose refit into vLLM was checked end "
+        "to end (deepseek_v3, gemma2, gemma3_text, llama, mistral, mixtral, nemotron_h, "
+        "qwen2, qwen3, qwen3_moe): ")
+    assert ("pass unchecked_family_ok=True to reshard_init (or ReshardInitInfo) or set "
+            "RESHARD_UNCHECKED_FAMILIES=1" in str(e.value))
+    assert check_family({"model_type": "phi3"}, unchecked_ok=True) == "phi3"
+    monkeypatch.setenv(UNCHECKED_FAMILIES_ENV, "1")
+    assert check_family({"model_type": "phi3"}) == "phi3"
+    # a loading the rules do not model is refused even with the opt-in
+    with pytest.raises(MappingError, match=r"^qwen3: the config sets quantization_config "
+                                           r"\(a quantized checkpoint"):
+        check_family({"model_type": "qwen3", "quantization_config": {"quant_method": "fp8"}},
+                     unchecked_ok=True)
+
+
+def test_the_meeting_refuses_an_unchecked_family_before_mapping():
+    """``map_or_explain`` (what every vLLM rank runs at the meeting) refuses it first."""
+    pytest.importorskip("vllm")
+    from reshard.integrations.vllm import map_or_explain
+
+    cfg = {"model_type": "phi3", "hidden_size": H, "num_attention_heads": 4}
+    shapes = {"model.norm.weight": (H,)}
+    with pytest.raises(MappingError, match=r"^model_type 'phi3' is not among"):
+        map_or_explain(cfg, 2, shapes, shapes, "float32")
+    mapping = map_or_explain(cfg, 2, shapes, shapes, "float32", unchecked_family_ok=True)
+    assert mapping.param_shapes == shapes
 
 
 class VocabParallelEmbedding(torch.nn.Module):

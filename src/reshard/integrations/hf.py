@@ -1,9 +1,9 @@
 """The trainer side with Hugging Face transformers: tiny models and their sharding.
 
 * :func:`tiny_config` / :func:`build_tiny_model`: a small random model (Qwen3, Qwen3-MoE,
-  Llama, Qwen2, Mistral, Gemma 2, Gemma 3 text, DeepSeek-V3, NemotronH) built locally (no
-  hub access) and saved with ``save_pretrained`` (bf16 safetensors), ``head_dim`` >= 32 so
-  that vLLM's CPU attention accepts it.
+  Llama, Qwen2, Mistral, Mixtral, Gemma 2, Gemma 3 text, DeepSeek-V3, NemotronH) built
+  locally (no hub access) and saved with ``save_pretrained`` (bf16 safetensors),
+  ``head_dim`` >= 32 so that vLLM's CPU attention accepts it.
 * :func:`shard_fsdp2`: FSDP2 (``fully_shard`` on every decoder layer, then the root).
 * :func:`shard_tp`: tensor parallelism with ``parallelize_module`` (q/k/v/gate/up
   column-parallel, o/down row-parallel; ``q_norm``/``k_norm`` replicated with their
@@ -44,8 +44,8 @@ def tiny_config(kind: str = "qwen3", **overrides: Any) -> Any:
     """A tiny transformers config: hidden 64, 2 layers, 4 heads of 32, 2 kv heads (Qwen2
     derives its head size from the hidden size: hidden 128 there, as vLLM's CPU attention
     rejects heads of 16). Kinds: ``qwen3``, ``qwen3_moe``, ``llama``, ``qwen2`` (q/k/v
-    biases), ``mistral``, ``gemma2``, ``gemma3`` (text), ``deepseek_v3`` (MLA + MoE),
-    ``nemotron_h`` (Mamba2 hybrid)."""
+    biases), ``mistral``, ``mixtral`` (MoE), ``gemma2``, ``gemma3`` (text), ``deepseek_v3``
+    (MLA + MoE), ``nemotron_h`` (Mamba2 hybrid)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -124,8 +124,19 @@ def _gemma2(common: dict, overrides: dict) -> Any:
     return Gemma2Config(**{**common, **gemma, **overrides})
 
 
+def _mixtral(common: dict, overrides: dict) -> Any:
+    """Mixtral: every layer a MoE of 4 experts (top 2) with a softmax router; vLLM names
+    the block ``block_sparse_moe`` where transformers 5 says ``mlp`` (fused experts in
+    memory, per-expert ``w1``/``w2``/``w3`` on disk)."""
+    from transformers import MixtralConfig
+
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+               sliding_window=None)
+    return MixtralConfig(**{**common, **moe, **overrides})
+
+
 _MORE_KINDS = {"mistral": _mistral, "gemma3": _gemma3, "deepseek_v3": _deepseek_v3,
-               "nemotron_h": _nemotron_h, "gemma2": _gemma2}
+               "nemotron_h": _nemotron_h, "gemma2": _gemma2, "mixtral": _mixtral}
 
 
 def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,
@@ -278,23 +289,37 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+#: Families whose checkpoint names the MoE block otherwise than transformers 5 does in
+#: memory (``mlp``, experts ``gate_proj``/``up_proj``/``down_proj``): model_type -> (block,
+#: gate, up, down) as ``save_pretrained`` writes them.
+_CHECKPOINT_MOE = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_MLP = re.compile(r"\.mlp\.(?=gate\.|experts\.)")
+
+
+def checkpoint_state_dict(state: Mapping[str, torch.Tensor], model_type: str | None = None
+                          ) -> dict[str, torch.Tensor]:
     """The on-disk checkpoint form of a state dict: transformers 5's fused experts
     (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) split into
-    per-expert ``experts.{e}.{gate,up,down}_proj.weight``, as ``save_pretrained`` does."""
+    per-expert ``experts.{e}.{gate,up,down}_proj.weight``, as ``save_pretrained`` does;
+    for Mixtral (``model_type``) the router and experts under ``block_sparse_moe`` and
+    the experts' ``w1`` / ``w3`` / ``w2``."""
+    block, *names = _CHECKPOINT_MOE.get(model_type or "", ("mlp", "gate_proj", "up_proj",
+                                                             "down_proj"))
+    gate_n, up_n, down_n = names
     out = {}
     for name, t in state.items():
         m = _FUSED_EXPERTS.match(name)
         if not m:
-            out[name] = t
+            out[_MLP.sub(f".{block}.", name)] = t
             continue
+        p = _MLP.sub(f".{block}.", m["p"] + ".")[:-1]
         for e in range(t.shape[0]):
             if m["w"] == "down_proj":
-                out[f"{m['p']}.{e}.down_proj.weight"] = t[e]
+                out[f"{p}.{e}.{down_n}.weight"] = t[e]
             else:
                 gate, up = t[e].chunk(2, dim=0)
-                out[f"{m['p']}.{e}.gate_proj.weight"] = gate
-                out[f"{m['p']}.{e}.up_proj.weight"] = up
+                out[f"{p}.{e}.{gate_n}.weight"] = gate
+                out[f"{p}.{e}.{up_n}.weight"] = up
     return out
 
 

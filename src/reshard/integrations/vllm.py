@@ -104,6 +104,7 @@ from reshard.errors import ReshardError
 from reshard.integrations.vllm_mapping import (
     MappingError,
     VllmMapping,
+    check_family,
     hf_to_vllm,
     unmapped_sides,
 )
@@ -212,9 +213,13 @@ def tied_aliases(model: torch.nn.Module, where: Mapping[str, tuple[str, str, Any
 
 
 def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
-                   hf_tensors: Mapping[str, Sequence[int]], dtype: Any) -> VllmMapping:
+                   hf_tensors: Mapping[str, Sequence[int]], dtype: Any,
+                   unchecked_family_ok: bool = False) -> VllmMapping:
     """:func:`hf_to_vllm` of the trainer's tensors, every vLLM parameter filled; or a
-    :class:`MappingError` naming the first unmapped tensor on each side."""
+    :class:`MappingError` naming the first unmapped tensor on each side, or the family
+    when its refit was never checked end to end and the caller did not opt in
+    (:func:`reshard.integrations.vllm_mapping.check_family`)."""
+    check_family(hf_config, unchecked_family_ok)
     try:
         mapping = hf_to_vllm(hf_config, tp, logical_shapes, hf_tensors=hf_tensors,
                              dtype=dtype)
@@ -435,7 +440,7 @@ class ReshardState:
                  inference_size: int, host: str, port: int, trainer_size: int,
                  staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, unchecked_family_ok: bool = False) -> None:
         from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
@@ -448,6 +453,7 @@ class ReshardState:
         self.aliases = tied_aliases(model, self.where)
         self.derived = derived_buffers(model, self.where)
         self.staging = staging
+        self.unchecked_family_ok = unchecked_family_ok
         self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
         self._version = 0
@@ -475,7 +481,7 @@ class ReshardState:
         refuse_unreloadable(self.model)
         shapes = {n: s for n, (_, _, s, _) in self.where.items()}
         self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
-                                      hf_tensors, dtype)
+                                      hf_tensors, dtype, self.unchecked_family_ok)
         odd = [n for n, d in self.mapping.param_dtypes.items() if n not in
                self.mapping.converts and self.where[n][3] != getattr(torch, d)]
         if odd:
@@ -732,10 +738,11 @@ def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
             torch.equal(held.to(logical.dtype), logical))
 
 
-def _load_state(path: str) -> dict[str, torch.Tensor]:
+def _load_state(path: str, model_type: str | None = None) -> dict[str, torch.Tensor]:
     from reshard.integrations.hf import checkpoint_state_dict
 
-    return checkpoint_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return checkpoint_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+                                 model_type)
 
 
 def _reported(fn: Any) -> Any:
@@ -782,19 +789,22 @@ class ReshardWorkerExtension:
                      inference_size: int | None = None, staging: str = "shadow",
                      budget_bytes: int = DEFAULT_BUDGET_BYTES,
                      hf_tensors: Mapping[str, Sequence[int]] | None = None,
-                     timeout_s: float = 120.0) -> dict[str, Any]:
+                     timeout_s: float = 120.0, unchecked_family_ok: bool = False
+                     ) -> dict[str, Any]:
         """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
         learn its tensor names and shapes there, build the mapping, the logical buffers
         and the receiver; returns sizes. ``hf_tensors`` (HF name -> global shape) is
         only needed to map before the meeting; an unknown tensor on either side is a
-        ``MappingError`` on every rank of both jobs, nothing moved."""
+        ``MappingError`` on every rank of both jobs, nothing moved; so is a model family
+        whose refit was never checked end to end (``vllm_mapping.CHECKED_FAMILIES``)
+        unless ``unchecked_family_ok`` (or ``RESHARD_UNCHECKED_FAMILIES=1``)."""
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
         self._reshard = ReshardState(
             self.model_runner.get_model(), self.vllm_config, rank=self.rank,
             inference_size=size, host=host, port=port, trainer_size=trainer_size,
             staging=staging, budget_bytes=budget_bytes, hf_tensors=hf_tensors,
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok)
         return self._reshard.info()
 
     @_reported
@@ -834,7 +844,9 @@ class ReshardWorkerExtension:
     def reshard_verify(self, path: str) -> dict[str, Any]:
         """Check the last refit against vLLM's own loaders fed the full state dict saved
         at ``path`` (``torch.save`` of HF name -> tensor)."""
-        return self._reshard_state().verify(_load_state(path))
+        state = self._reshard_state()
+        model_type = getattr(state.vllm_config.model_config.hf_config, "model_type", None)
+        return state.verify(_load_state(path, model_type))
 
     @_reported
     def reshard_reconnect(self, host: str, port: int, timeout_s: float = 120.0
@@ -885,6 +897,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     hf_tensors: dict[str, list[int]] | None = None
     timeout_s: float = 120.0
+    #: refit a model family whose refit was never checked end to end (see
+    #: ``reshard.integrations.vllm_mapping.check_family``)
+    unchecked_family_ok: bool = False
 
 
 @dataclass
@@ -916,7 +931,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             host=init_info.master_address, port=init_info.master_port,
             trainer_size=init_info.trainer_size, staging=init_info.staging,
             budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
-            timeout_s=init_info.timeout_s)
+            timeout_s=init_info.timeout_s, unchecked_family_ok=init_info.unchecked_family_ok)
 
     def start_weight_update(self) -> None:
         self.received = None

@@ -28,10 +28,20 @@ tensor kind is one more row. Llama, Mistral, Qwen2 (q/k/v biases), Qwen3
 names *and* the fused ``experts.gate_up_proj`` / ``experts.down_proj`` parameters of
 transformers 5), DeepSeek-V3 (MLA: ``q_a_proj`` + ``kv_a_proj_with_mqa`` into the
 replicated ``fused_qkv_a_proj``, column-parallel ``q_b_proj`` / ``kv_b_proj``; shared
-experts; the float32 router ``e_score_correction_bias``) and NemotronH (Mamba2
+experts; the float32 router ``e_score_correction_bias``), NemotronH (Mamba2
 ``in_proj`` [z | x | B | C | dt] and ``conv1d`` [x | B | C], every block split over the
-ranks; ``A`` = -exp(``A_log``) applied at commit, see :data:`CONVERSIONS`) are covered;
+ranks; ``A`` = -exp(``A_log``) applied at commit, see :data:`CONVERSIONS`), Gemma 2 and
+Mixtral (transformers 5's ``mlp`` router and fused experts, or the checkpoint's
+``block_sparse_moe.experts.{e}.w1/w2/w3``, into vLLM's ``block_sparse_moe``) are covered;
 expert parallelism and pipeline parallelism are not (vLLM's defaults: EP off, PP 1).
+
+Names and shapes are not the whole story: a family can fill every vLLM parameter and
+still refit wrong, if vLLM's model code reads a weight through a copy or a transform the
+rules do not model (Gemma 2's logits come from a packed copy of the embedding). So the
+refit integration accepts only the families whose refit was checked end to end against
+a fresh engine (:data:`CHECKED_FAMILIES`) unless the caller opts in
+(:func:`check_family`), and refuses configs whose loading the rules do not model at all
+(:data:`UNMODELLED_CONFIG_FIELDS`).
 Pure Python: no vLLM or transformers import.
 """
 
@@ -50,8 +60,9 @@ from reshard.mesh import Mesh
 from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
-    "CONVERSIONS", "RULES", "MappedTensor", "MappingError", "Slot", "VllmMapping", "hf_to_vllm",
-    "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
+    "CHECKED_FAMILIES", "CONVERSIONS", "MOE_BLOCKS", "RULES", "UNCHECKED_FAMILIES_ENV",
+    "UNMODELLED_CONFIG_FIELDS", "MappedTensor", "MappingError", "Slot", "VllmMapping",
+    "check_family", "hf_to_vllm", "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
 ]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the vocabulary is padded to a multiple of it.
@@ -62,6 +73,58 @@ def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
     """``ceil(vocab / padding) * padding`` (vLLM's ``pad_vocab_size``)."""
     return -(-vocab // padding) * padding
 
+
+#: The ``model_type``s whose refit into vLLM was checked end to end, bit for bit against a
+#: fresh engine of the same step (tests/integration/test_vllm_families.py,
+#: test_vllm_refit.py, test_megatron_refit.py): the rules are known to be whole for them.
+CHECKED_FAMILIES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+    "deepseek_v3", "nemotron_h", "mixtral"})
+
+#: The environment variable that, set to ``1``, lets a family outside
+#: :data:`CHECKED_FAMILIES` be refitted (as ``unchecked_family_ok=True`` does).
+UNCHECKED_FAMILIES_ENV = "RESHARD_UNCHECKED_FAMILIES"
+
+#: Config fields under which vLLM's loader makes something else of the checkpoint than
+#: the rules model, whatever the family (field -> why): refused even with the opt-in.
+UNMODELLED_CONFIG_FIELDS = {
+    "quantization_config": "a quantized checkpoint: vLLM's loader keeps quantized weights "
+                           "and scales, the rules map unquantized tensors",
+}
+
+
+def check_family(config: Any, unchecked_ok: bool = False) -> str:
+    """The config's ``model_type``, or a :class:`MappingError` when the refit is not known
+    to be whole for it: a config field the rules do not model
+    (:data:`UNMODELLED_CONFIG_FIELDS`), or a family outside :data:`CHECKED_FAMILIES`
+    unless ``unchecked_ok`` or the environment variable ``RESHARD_UNCHECKED_FAMILIES=1``
+    opts in (names and shapes may all match while vLLM's model code reads a weight
+    through a copy or a transform the rules do not know: the refit would land wrong
+    without a word)."""
+    import os
+
+    cfg = _config_dict(config)
+    family = str(cfg.get("model_type") or "")
+    for field, why in UNMODELLED_CONFIG_FIELDS.items():
+        if cfg.get(field):
+            raise MappingError(f"{family or 'this model'}: the config sets {field} ({why}); "
+                               "reshard cannot refit it")
+    if family in CHECKED_FAMILIES or unchecked_ok or os.environ.get(
+            UNCHECKED_FAMILIES_ENV) == "1":
+        return family
+    raise MappingError(
+        f"model_type {family or None!r} is not among the families whose refit into vLLM "
+        f"was checked end to end ({', '.join(sorted(CHECKED_FAMILIES))}): its names and "
+        "shapes may all map while vLLM reads a weight through a copy or a transform the "
+        "rules do not model, and the refit would land wrong without a word. To try it "
+        "anyway, pass unchecked_family_ok=True to reshard_init (or ReshardInitInfo) or "
+        f"set {UNCHECKED_FAMILIES_ENV}=1 in the engine's environment, then check every "
+        "refit with reshard_verify and against a fresh engine")
+
+
+#: vLLM's name of a family's MoE block where it is not Hugging Face's ``mlp``
+#: (model_type -> name): Mixtral's ``block_sparse_moe``.
+MOE_BLOCKS = {"mixtral": "block_sparse_moe"}
 
 #: Element-wise conversions vLLM's loaders apply to a checkpoint tensor (name -> what it
 #: computes from the received float32 tensor): Mamba's ``A = -exp(A_log)``.
@@ -250,7 +313,14 @@ def _vocab(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
     return Slot(name), Layout.explicit(shape, views, c.dtype), (per, *rest)
 
 
+def _moe_block(p: str, c: _Ctx) -> str:
+    """vLLM's name of the MoE block HF calls ``p`` (``...mlp``; see :data:`MOE_BLOCKS`)."""
+    block = MOE_BLOCKS.get(str(c.cfg.get("model_type")))
+    return f"{p[:-len('.mlp')]}.{block}" if block and p.endswith(".mlp") else p
+
+
 def _experts_params(p: str, c: _Ctx) -> tuple[str, str]:
+    p = _moe_block(p, c)
     base = (f"{p}.experts.routed_experts", f"{p}.experts")  # vLLM 0.32 / older vLLM
     return (c.pick(*(f"{b}.w13_weight" for b in base)),
             c.pick(*(f"{b}.w2_weight" for b in base)))
@@ -265,9 +335,10 @@ def _num_experts(c: _Ctx) -> int:
 
 
 def _expert_w13(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
-    """experts.{e}.gate_proj / up_proj -> w13[e] rows [gate | up] of this rank."""
+    """experts.{e}.gate_proj / up_proj (Mixtral's checkpoint: w1 / w3) -> w13[e] rows
+    [gate | up] of this rank."""
     inter = c.per_rank(shape[0], "moe_intermediate_size")
-    start = 0 if m["w"] == "gate" else inter
+    start = 0 if m["w"] in ("gate", "w1") else inter
     w13, _ = _experts_params(m["p"], c)
     return (Slot(w13, expert=int(m["e"]), rows=(start, start + inter)),
             c.sharded(shape, 0, "moe_intermediate_size"),
@@ -275,7 +346,8 @@ def _expert_w13(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
 
 
 def _expert_w2(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
-    """experts.{e}.down_proj -> w2[e] (its intermediate columns split)."""
+    """experts.{e}.down_proj (Mixtral's checkpoint: w2) -> w2[e] (its intermediate
+    columns split)."""
     inter = c.per_rank(shape[1], "moe_intermediate_size")
     _, w2 = _experts_params(m["p"], c)
     return (Slot(w2, expert=int(m["e"])), c.sharded(shape, 1, "moe_intermediate_size"),
@@ -298,6 +370,11 @@ def _fused_w2(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
     e, h, i = shape
     _, w2 = _experts_params(m["p"], c)
     return Slot(w2), c.sharded(shape, 2, "moe_intermediate_size"), (e, h, c.per_rank(i, "I"))
+
+
+def _router(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
+    """A MoE router (``mlp.gate``), replicated, in vLLM's MoE block (:func:`_moe_block`)."""
+    return Slot(f"{_moe_block(m['p'], c)}.gate.weight"), c.replicated(shape), shape
 
 
 def _mla_qkv_a(m: re.Match, shape: tuple[int, ...], c: _Ctx) -> _RuleOut:
@@ -384,6 +461,9 @@ RULES: list[tuple[re.Pattern[str], Rule]] = [
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<w>gate|up)_proj\.weight$"),
      _expert_w13),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_w2),
+    (re.compile(r"^(?P<p>.+\.block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<w>w1|w3)\.weight$"),
+     _expert_w13),  # Mixtral's checkpoint names
+    (re.compile(r"^(?P<p>.+\.block_sparse_moe)\.experts\.(?P<e>\d+)\.w2\.weight$"), _expert_w2),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.gate_up_proj$"), _fused_w13),
     (re.compile(r"^(?P<p>.+\.mlp)\.experts\.down_proj$"), _fused_w2),
     (re.compile(r"^(?P<p>.+\.mlp(\.shared_experts?)?)\.(?P<w>gate|up)_proj\.(?P<kind>weight|bias)$"),
@@ -396,7 +476,8 @@ RULES: list[tuple[re.Pattern[str], Rule]] = [
                 r"post_feedforward_layernorm)\.weight$"), _replicated),
     (re.compile(r"^model\.(norm|norm_f)\.weight$"), _replicated),
     (re.compile(r"^.+\.layers\.\d+\.norm\.weight$"), _replicated),  # NemotronH
-    (re.compile(r"^.+\.mlp\.gate\.weight$"), _replicated),  # MoE router
+    (re.compile(r"^(?P<p>.+\.mlp)\.gate\.weight$"), _router),  # MoE router
+    (re.compile(r"^.+\.block_sparse_moe\.gate\.weight$"), _replicated),  # Mixtral's
     (re.compile(r"^.+\.mlp\.gate\.e_score_correction_bias$"), _float32_replicated),
 ]
 
