@@ -179,6 +179,10 @@ def test_a_family_never_checked_end_to_end_is_refused_unless_the_caller_opts_in(
     assert ("pass unchecked_family_ok=True to reshard_init (or ReshardInitInfo) or set "
             "RESHARD_UNCHECKED_FAMILIES=1" in str(e.value))
     assert check_family({"model_type": "phi3"}, unchecked_ok=True) == "phi3"
+    # a multimodal wrapper is its own family, not its (checked) text model's
+    with pytest.raises(MappingError, match=r"^model_type 'gemma3' is not among"):
+        check_family({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text",
+                                                              "hidden_size": H}})
     monkeypatch.setenv(UNCHECKED_FAMILIES_ENV, "1")
     assert check_family({"model_type": "phi3"}) == "phi3"
     # a loading the rules do not model is refused even with the opt-in

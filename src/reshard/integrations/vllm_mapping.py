@@ -103,10 +103,11 @@ def check_family(config: Any, unchecked_ok: bool = False) -> str:
     without a word)."""
     import os
 
-    cfg = _config_dict(config)
-    family = str(cfg.get("model_type") or "")
+    outer, cfg = _plain_dict(config), _config_dict(config)
+    # the model's own type: a multimodal wrapper (Gemma 3's "gemma3") is not its text model
+    family = str(outer.get("model_type") or "")
     for field, why in UNMODELLED_CONFIG_FIELDS.items():
-        if cfg.get(field):
+        if outer.get(field) or cfg.get(field):
             raise MappingError(f"{family or 'this model'}: the config sets {field} ({why}); "
                                "reshard cannot refit it")
     if family in CHECKED_FAMILIES or unchecked_ok or os.environ.get(
@@ -560,14 +561,19 @@ class VllmMapping:
             raise MappingError(f"rank {rank} is outside the inference ranks 0..{self.tp - 1}")
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
+def _plain_dict(config: Any) -> dict[str, Any]:
     """A plain config dict from a dict, a :class:`reshard.sim.models.ModelSpec` or anything
-    with ``to_dict()`` (a transformers config); a multimodal ``text_config`` unwrapped."""
+    with ``to_dict()`` (a transformers config)."""
     if hasattr(config, "tensors") and hasattr(config, "config"):
         config = config.config
     if hasattr(config, "to_dict"):
         config = config.to_dict()
-    cfg = dict(config)
+    return dict(config)
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """:func:`_plain_dict`, a multimodal ``text_config`` unwrapped."""
+    cfg = _plain_dict(config)
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = dict(cfg["text_config"])
     if "num_experts" not in cfg and cfg.get("num_local_experts"):
