@@ -77,6 +77,7 @@ def run_config(engines, root: Path, name: str) -> dict:
         try:
             collective(llm, "reshard_init", "127.0.0.1", port, world, timeout_s=180.0)
             for step in range(1, STEPS + 1):
+                V.serve_long_prompt(llm)  # cached with the previous weights
                 res = collective(llm, "reshard_refit")
                 state = MH.to_hf(MH.load_ranks(out, step), experts=experts, vocab=VOCAB[kind],
                                  **SIZES)

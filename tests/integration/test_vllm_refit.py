@@ -130,19 +130,20 @@ def engines(tmp_path_factory):
 def generate(llm, long: bool = True) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens of every prompt; per prompt, its prompt logprobs, and last (with
     ``long``) :data:`LONG_PROMPT`'s tokens and their sample logprobs (no prompt logprobs:
-    vLLM serves it from its prefix cache where it holds it)."""
+    vLLM serves it from its prefix cache where it holds it). The long prompt is asked on
+    its own, so that every step's make-up is the same from one engine to the next."""
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                         detokenize=False, prompt_logprobs=0)
-    rollout = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                             detokenize=False, logprobs=0)
-    prompts = PROMPTS + [LONG_PROMPT] * long
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [sp] * len(PROMPTS) + [rollout] * long, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[d[t].logprob for t, d in zip(p[1:], o.prompt_logprobs[1:])]
            for p, o in zip(PROMPTS, outs)]
     if long:
-        out = outs[-1].outputs[0]
+        rollout = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 detokenize=False, logprobs=0)
+        out = llm.generate([{"prompt_token_ids": LONG_PROMPT}], rollout,
+                           use_tqdm=False)[0].outputs[0]
+        tokens.append(list(out.token_ids))
         lps.append([d[t].logprob for t, d in zip(out.token_ids, out.logprobs)])
     return tokens, lps
 

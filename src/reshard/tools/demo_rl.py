@@ -40,6 +40,7 @@ from typing import Any
 from reshard.tools.rl_task import (
     CHECK_TOKENS,
     KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
     PROMPTS,
     TP,
     TRAINERS,
@@ -228,7 +229,8 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
               f"{model_dir}")
     t0 = time.perf_counter()
     llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
-              enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=16, seed=0,
+              enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=16, seed=0,
               kv_cache_memory_bytes=KV_CACHE_BYTES,
               worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
     print(f"vLLM engine up (TP={TP}) in {time.perf_counter() - t0:.1f} s")

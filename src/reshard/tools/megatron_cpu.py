@@ -166,7 +166,7 @@ def build_gpt(kind: str, num_layers: int, *, tp: int = 1, pp: int = 1, ep: int =
                       + 10 * parallel_state.get_tensor_model_parallel_rank()
                       + 1000 * parallel_state.get_expert_model_parallel_rank())
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=TINY["padded_vocab"],
-                     max_sequence_length=256, pre_process=parallel_state.is_pipeline_first_stage(),
+                     max_sequence_length=512, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=TINY["rope_base"])

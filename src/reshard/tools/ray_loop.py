@@ -42,6 +42,7 @@ from reshard.integrations.ray import (
 from reshard.tools.rl_task import (
     CHECK_TOKENS,
     KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
     PROMPTS,
     TP,
     TRAINERS,
@@ -180,7 +181,7 @@ class EngineActor:
         from vllm import LLM
 
         options = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                       max_model_len=128, max_num_seqs=16, seed=0,
+                       max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0,
                        kv_cache_memory_bytes=KV_CACHE_BYTES)
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp,
                        distributed_executor_backend="mp", worker_extension_cls=EXTENSION,

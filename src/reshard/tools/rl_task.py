@@ -8,8 +8,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13],
-           [1, 64, 128, 192]]
+#: The start every prompt shares (an RL run's system prompt or chat template): 300 tokens,
+#: two full KV blocks of vLLM CPU (128 tokens a block), which its prefix cache keeps from one
+#: step to the next: each step's rollouts fill it with the weights of that step, and the
+#: checks after the next refit read it again (they must not answer from the old KV).
+SYSTEM_PROMPT = [1] + [2 + (37 * i + 11) % 248 for i in range(299)]
+PROMPTS = [SYSTEM_PROMPT + p for p in ([17, 42, 99, 256, 3, 7], [300, 301, 302],
+                                       [5, 6, 7, 8, 9, 10, 11, 12, 13], [64, 128, 192])]
+#: vLLM's context: a prompt and its completion.
+MAX_MODEL_LEN = 512
 ROLLOUT_TOKENS = 12
 CHECK_TOKENS = 8
 TP, TRAINERS = 2, 2
