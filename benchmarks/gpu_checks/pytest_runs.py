@@ -46,6 +46,7 @@ LEFT_OUT = {
     "tests/unit/test_demo_rl_args.py": "the RL demo's command line: " + _PURE,
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_docs_links.py": "README and docs links and pages: " + _PURE,
+    "tests/unit/test_vllm_plugin.py": "vLLM plugin's prefix-cache decisions: " + _PURE,
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
 }
 LEFT_OUT_FOLDERS = {
