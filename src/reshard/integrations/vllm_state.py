@@ -1,0 +1,440 @@
+"""One vLLM rank's side of a refit (:class:`ReshardState`): the mapping of the
+trainer's tensors, where each parameter is written, the logical buffers, the receiver,
+the commit, what it costs in memory, and the check against vLLM's own loaders. The
+worker extension and the weight-transfer backend
+(:mod:`reshard.integrations.vllm_worker`) both drive it.
+
+How a refit lands on one rank:
+
+1. At init, vLLM's per-rank *logical* (checkpoint-format) parameter shapes are read from
+   the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``), and
+   :func:`reshard.integrations.vllm_mapping.hf_to_vllm` maps every Hugging Face tensor
+   to a slot of a logical tensor and a layout. Then, per parameter, the cheapest way in
+   (:func:`kept_live`, from what vLLM holds now; ``reshard_info`` lists both kinds):
+
+   * **in place**: where the live parameter *is* its logical tensor and its module
+     reads it as loaded (norms, embeddings; on GPUs unquantized weights generally), the
+     receiver's targets are views into the live parameter itself; no buffer exists;
+   * **logical buffer**: where vLLM repacks or pads after loading (CPU GEMM packing of
+     linear layers and the LM head, MoE experts padded and prepacked), one logical
+     buffer per parameter, committed through vLLM's layerwise reload.
+2. ``RefitReceiver.refit()`` writes the buffers directly (they are the staging of what
+   they hold: nothing reaches the live model before the commit) and the in-place
+   targets through a shadow of just those targets with ``staging="shadow"``, straight
+   into the live weights with ``staging="none"``; it returns only once every rank of
+   both jobs has its part, and then copies the shadow over the live weights.
+3. Commit of the buffered parameters, through vLLM's layerwise reload:
+   ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
+   meta device); each logical buffer is copied whole into its parameter through the
+   layer's deferred loader; when a layer is complete vLLM materializes it, reruns
+   ``process_weights_after_loading`` (CPU GEMM packing, MoE pad + prepack) and copies
+   the result into the original kernel tensors; layers written in place are put back as
+   they are; ``finalize_layerwise_reload`` finishes. CPU MoE work-around: vLLM 0.32
+   reruns the CPU experts' pad + prepack only on a first load (``quant_method.moe_kernel
+   is None``), so that attribute is reset before every commit.
+
+Memory per rank beyond the weights: the buffers of repacked parameters, plus with
+``staging="shadow"`` a copy of what is written in place -- together what the rank
+receives (plus vocabulary padding rows), the transfer's staging arena (its budget), and
+during a commit one reloaded layer at a time. ``reshard_info`` gives each figure;
+``benchmarks/engine_memory.py`` measures them against resident memory.
+
+Never torn with ``staging="shadow"``: nothing reaches the live model before
+``RefitReceiver.refit()`` returned on every rank; a refit that fails (a trainer rank
+raising, a peer lost) leaves the live model and the version as they were (the buffers,
+being staging, may hold part of the failed version; the next refit rewrites them
+whole). With ``staging="none"`` a failed refit may leave the in-place weights torn:
+every rank then reports itself ``stale`` (``reshard_status``, ``reshard_last``) at the
+previous version until a complete refit lands. vLLM 0.32 offers no clean way for a
+worker to refuse generation (an exception in the model's forward kills the engine
+core), so a stale engine still serves: the caller must check ``reshard_status``.
+
+Checks (tests, demo): ``reshard_verify(path)`` compares this rank's logical tensors with
+what vLLM's own ``model.load_weights`` makes of the full state dict saved at ``path`` (a
+dry run of layerwise reload that captures each layer before processing and puts the
+live kernel tensors back), bit for bit, plus the parameters vLLM keeps unpacked live.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.errors import ReshardError
+from reshard.integrations.vllm_internals import (
+    derived_buffers,
+    kept_live,
+    logical_params,
+    packed_gemm_mismatches,
+    quiet_reload,
+    refuse_unreloadable,
+    reset_moe_kernels,
+    reset_peak_rss,
+    restore_loaders,
+    return_freed_memory,
+    rss_bytes,
+    snapshot_loaders,
+    tied_aliases,
+)
+from reshard.integrations.vllm_mapping import (
+    MappingError,
+    VllmMapping,
+    check_family,
+    hf_to_vllm,
+    unmapped_sides,
+)
+from reshard.integrations.vllm_plugin import require_loaded as require_plugin
+
+__all__ = ["ReshardState", "map_or_explain"]
+
+
+def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
+                   hf_tensors: Mapping[str, Sequence[int]], dtype: Any,
+                   unchecked_family_ok: bool = False) -> VllmMapping:
+    """:func:`hf_to_vllm` of the trainer's tensors, every vLLM parameter filled; or a
+    :class:`MappingError` naming the first unmapped tensor on each side, or the family
+    when its refit was never checked end to end and the caller did not opt in
+    (:func:`reshard.integrations.vllm_mapping.check_family`)."""
+    check_family(hf_config, unchecked_family_ok)
+    try:
+        mapping = hf_to_vllm(hf_config, tp, logical_shapes, hf_tensors=hf_tensors,
+                             dtype=dtype)
+    except MappingError as e:
+        raise MappingError(f"{e}{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}"
+                           ) from None
+    uncovered = mapping.uncovered(logical_shapes)
+    if uncovered:
+        raise MappingError(f"vLLM parameters that no trainer tensor fills: {uncovered[:8]} "
+                           f"(first: {uncovered[0]!r}); a refit would leave them unset"
+                           f"{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}")
+    return mapping
+
+
+def _copy_into(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """The loader a commit uses: the buffer already is this rank's logical tensor."""
+    param.data.copy_(loaded_weight)
+
+
+def _converted(how: str, logical: torch.Tensor) -> torch.Tensor:
+    """What vLLM's loader computes from a checkpoint tensor (see ``CONVERSIONS``)."""
+    if how == "neg_exp":  # Mamba: A = -exp(A_log), in float32
+        return -torch.exp(logical.float())
+    raise MappingError(f"unknown conversion {how!r}")
+
+
+def _converting_loader(how: str) -> Any:
+    """The commit's loader for a converted parameter."""
+    def copy_converted(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        param.data.copy_(_converted(how, loaded_weight))
+    return copy_converted
+
+
+class ReshardState:
+    """One vLLM rank's side of the refit: mapping, where each parameter is written,
+    logical buffers for the repacked ones, receiver, commit."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
+                 inference_size: int, host: str, port: int, trainer_size: int,
+                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 hf_tensors: Mapping[str, Sequence[int]] | None = None,
+                 timeout_s: float = 120.0, unchecked_family_ok: bool = False) -> None:
+        from reshard.refit.receiver import RefitReceiver
+
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size != 1:
+            raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
+                               f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
+        self.model, self.vllm_config, self.rank = model, vllm_config, rank
+        self.inference_size = inference_size
+        self.where = logical_params(model)
+        self.aliases = tied_aliases(model, self.where)
+        self.derived = derived_buffers(model, self.where)
+        self.staging = staging
+        self.unchecked_family_ok = unchecked_family_ok
+        self.stale = False  # a refit with staging="none" failed midway: weights may be torn
+        self.last: dict[str, Any] = {}
+        self._version = 0
+        self.measured_peak = reset_peak_rss()
+        self.rss_at_init = rss_bytes()
+        common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
+                      inference_size=inference_size, staging=staging,
+                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+        if hf_tensors is not None:  # told by the caller
+            targets, layouts, direct = self._prepare(hf_tensors)
+            self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
+        else:  # learnt from the trainer at the meeting
+            self.receiver = RefitReceiver(prepare=self._prepare_from, **common)
+        self.created = time.monotonic()
+
+    def _prepare_from(self, trainer: Mapping[str, Any]) -> tuple[dict, dict, list[str]]:
+        return self._prepare({name: layout.shape for name, layout in trainer.items()})
+
+    def _prepare(self, hf_tensors: Mapping[str, Sequence[int]]) -> tuple[dict, dict, list[str]]:
+        """The mapping of the trainer's tensors, where each vLLM parameter is written,
+        the logical buffers: the receiver's (targets, layouts, direct names)."""
+        model_config = self.vllm_config.model_config
+        dtype = model_config.dtype
+        require_plugin()  # the engine core clears its prefix cache at every commit
+        refuse_unreloadable(self.model)
+        shapes = {n: s for n, (_, _, s, _) in self.where.items()}
+        self.mapping = map_or_explain(model_config.hf_config, self.inference_size, shapes,
+                                      hf_tensors, dtype, self.unchecked_family_ok)
+        odd = [n for n, d in self.mapping.param_dtypes.items() if n not in
+               self.mapping.converts and self.where[n][3] != getattr(torch, d)]
+        if odd:
+            raise MappingError(f"vLLM parameters not in the dtype the mapping gives them "
+                               f"(model dtype {dtype}): {odd[:8]}")
+        # a converted parameter (Mamba's A = -exp(A_log)) goes through its commit
+        converted = {self.where[n][0] for n in self.mapping.converts}
+        self.live_names = {n for n in kept_live(self.model, {n: self.where[n] for n in
+                                                             self.mapping.param_shapes},
+                                                self.aliases)
+                           if self.where[n][0] not in converted}
+        self.live = {n: self._param(n).data for n in sorted(self.live_names)}
+        self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
+                        if n not in self.live_names}
+        self.expected_bytes = self.mapping.shard_bytes(self.rank)
+        slots = self.mapping.slots(self.rank)
+        targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
+        return targets, self.mapping.layouts, [h for h, s in slots.items()
+                                                if s.param in self.buffers]
+
+    def _param(self, name: str) -> torch.Tensor:
+        mname, attr, _, _ = self.where[name]
+        return getattr(self.model.get_submodule(mname) if mname else self.model, attr)
+
+    @property
+    def version(self) -> int:
+        """The weight version live in the model (the trainer's step of the last commit)."""
+        return self._version
+
+    def info(self) -> dict[str, Any]:
+        """Sizes: HF tensors, vLLM parameters (written in place or through a logical
+        buffer), bytes a refit brings, the memory it costs beyond the weights."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        buffer_bytes, shadow_bytes = nbytes(self.buffers.values()), self.receiver.shadow_bytes
+        return {"rank": self.rank, "version": self.version, "stale": self.stale,
+                "staging": self.staging, "tensors": len(self.mapping.tensors),
+                "params": len(self.mapping.param_shapes),
+                "in_place": sorted(self.live_names), "buffered": sorted(self.buffers),
+                "weight_bytes": nbytes(self.live.values()) + nbytes(self.buffers.values()),
+                "in_place_bytes": nbytes(self.live.values()),
+                "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
+                "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
+                "commit_transient_bytes": self._commit_transient(),
+                "rss_extra": rss_bytes() - self.rss_at_init}
+
+    def _commit_transient(self) -> int:
+        """Bytes a commit holds beyond the buffers, at its peak, as vLLM 0.32 CPU's
+        layerwise reload behaves (traced per reloaded parameter with ``VmRSS``, see
+        ``benchmarks/engine_memory.py``):
+
+        * a repacked linear (GEMM) keeps its old packed kernel until the reload ends, so
+          every such buffer is held twice;
+        * MoE experts lose their old prepacked copy when the commit resets the expert
+          kernel (:func:`reset_moe_kernels`), and each expert module, when reloaded,
+          holds its materialized weights and the new prepacked copy at once;
+        * layers are reloaded one at a time: on top of the kept kernels, the largest
+          layer's materialized weights (times two for experts)."""
+        kept, per_module = 0, {}
+        for name, buf in self.buffers.items():
+            mname, n = self.where[name][0], buf.numel() * buf.element_size()
+            module = self.model.get_submodule(mname) if mname else self.model
+            experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
+            kept += 0 if experts else n
+            per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
+        return kept + max(per_module.values(), default=0)
+
+    def status(self) -> dict[str, Any]:
+        """The live version and whether the weights may be torn (``stale``: a refit with
+        ``staging="none"`` failed midway; the next complete refit clears it)."""
+        return {"rank": self.rank, "version": self.version, "stale": self.stale}
+
+    def receive(self) -> dict[str, Any]:
+        """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
+        committed, ``last`` says why)."""
+        t0 = time.perf_counter()
+        self.measured_peak = reset_peak_rss()  # this refit's own peak
+        rss_start = rss_bytes() - self.rss_at_init
+        try:
+            stats = self.receiver.refit()
+        except Exception as e:
+            # with staging="none" the live in-place weights may hold part of the new version
+            self.stale = self.stale or (self.staging == "none" and bool(self.live))
+            self.last = {"ok": False, "rank": self.rank, "version": self.version,
+                         "stale": self.stale, "error": f"{type(e).__name__}: {e}",
+                         "seconds": time.perf_counter() - t0}
+            raise
+        self.last = {"ok": True, "rank": self.rank, "version": stats.version,
+                     "receive_seconds": stats.seconds, "bytes_received": stats.bytes_received,
+                     "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
+                     "expected_bytes": self.expected_bytes, "committed": False,
+                     "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
+                     "peak_rss_extra_receive": self._peak_extra()}
+        return self.last
+
+    @torch.no_grad()
+    def commit(self) -> float:
+        """Copy the logical buffers into the live model through vLLM's layerwise reload."""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        model = self.model
+        if not self.buffers:  # every parameter was written in place
+            return self._committed(t0)
+        saved = snapshot_loaders(model.parameters())
+        with set_current_vllm_config(self.vllm_config), quiet_reload(model, self.live_names):
+            reset_moe_kernels(model)
+            lw.initialize_layerwise_reload(model)
+            try:
+                for name, buf in self.buffers.items():
+                    # a tied tensor is loaded into every module holding it, so that each
+                    # reprocesses its own copy (the LM head's GEMM)
+                    for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
+                        module = model.get_submodule(mname) if mname else model
+                        param = getattr(module, attr)
+                        # the restored parameter is vLLM's stored metadata object: its
+                        # loader is put back afterwards, or later reloads would inherit ours
+                        saved += snapshot_loaders([param])
+                        how = self.mapping.converts.get(name)
+                        param.weight_loader = _converting_loader(how) if how else _copy_into
+                        param.weight_loader = lw.make_online_process_loader(module, attr)
+                        param.weight_loader(param, buf)
+            finally:
+                lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
+                restore_loaders(saved)
+            for buffer, name in self.derived:  # views a reload leaves on the old storage
+                if name in self.buffers:
+                    buffer.copy_(self.buffers[name].view(buffer.shape))
+        return self._committed(t0)
+
+    def _committed(self, t0: float) -> float:
+        return_freed_memory()
+        seconds = time.perf_counter() - t0
+        self._version, self.stale = self.receiver.version, False
+        self.last.update(committed=True, commit_seconds=seconds, stale=False,
+                         peak_rss_extra=self._peak_extra(),
+                         rss_extra=rss_bytes() - self.rss_at_init)
+        return seconds
+
+    def _peak_extra(self) -> int | None:
+        """Peak resident memory since the refit state began, beyond what it was then."""
+        return rss_bytes("VmHWM") - self.rss_at_init if self.measured_peak else None
+
+    def refit(self) -> dict[str, Any]:
+        """Receive, then commit: {ok, version, seconds, bytes_received, expected_bytes,
+        receive_seconds, commit_seconds}; ``ok: False`` and ``error`` when the refit
+        failed (the live model and the version are then those of the previous refit)."""
+        t0 = time.perf_counter()
+        try:
+            self.receive()
+        except ReshardError:  # TransferError: aborted on every rank of both jobs
+            return self.last
+        self.commit()
+        self.last["seconds"] = time.perf_counter() - t0
+        return self.last
+
+    # -- checks (tests, demo) ---------------------------------------------------------
+    @torch.no_grad()
+    def vllm_reference(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What vLLM's own ``model.load_weights`` makes of a full checkpoint-format state
+        dict on this rank, as logical tensors -- without touching the live weights.
+
+        A dry run of layerwise reload: every layer is restored in checkpoint format and
+        loaded by the model's own loaders; when a layer is complete its logical tensors
+        are captured and the live kernel tensors are put back, unprocessed. (Tensors
+        vLLM never moves to meta, such as biases, are written in place with the same
+        loaders.)"""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+        from vllm.config import set_current_vllm_config
+
+        model = self.model
+        names = {m: n for n, m in model.named_modules()}
+        captured: dict[str, torch.Tensor] = {}
+
+        def capture(layer: torch.nn.Module, info: Any) -> None:
+            lw.materialize_layer(layer, info)
+            for p in lw.get_layer_tensors(layer).values():
+                p.weight_loader = lw._get_original_loader(p)
+            for pname, args in info.loaded_weights:
+                param = getattr(layer, pname)
+                args.arguments["param"] = param
+                param.weight_loader(*args.args, **args.kwargs)
+            prefix = names[layer]
+            for pname, p in layer._parameters.items():
+                if p is not None:
+                    name = f"{prefix}.{pname}" if prefix else pname
+                    # in its checkpoint dtype, as a fresh load stores it: a bias vLLM
+                    # turned to float32 takes the checkpoint's values unrounded here
+                    logical = self.where[name][3] if name in self.where else p.dtype
+                    captured[name] = p.detach().to(logical, copy=True)
+            lw._place_kernel_tensors(layer, info)
+            info.reset()
+
+        saved = snapshot_loaders(model.parameters())
+        original = lw._layerwise_process
+        lw._layerwise_process = capture
+        try:
+            with set_current_vllm_config(self.vllm_config), quiet_reload(model):
+                lw.initialize_layerwise_reload(model)
+                try:
+                    model.load_weights(iter(state_dict.items()))
+                finally:
+                    lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
+        finally:
+            lw._layerwise_process = original
+            restore_loaders(saved)
+        return captured
+
+    def verify(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Compare the logical buffers of the last refit with :meth:`vllm_reference` of
+        ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
+        ref = self.vllm_reference(state_dict)
+        mismatched = [n for n, b in {**self.buffers, **self.live}.items()
+                      if n not in ref or not _same(ref[n], self._as_loaded(n, b))]
+        mismatched += [f"{n} (derived buffer)" for d, n in self.derived
+                       if n in ref and not _same(d, ref[n].view(d.shape))]
+        mismatched += packed_gemm_mismatches(self.model, ref, self.aliases)
+        live = dict(self.model.named_parameters())
+        # packed linears are empty on CPU (shape differs); MoE experts are reordered in
+        # place whatever their shape: compare the others, which vLLM leaves as loaded
+        experts = {n for n, (m, _, _, _) in self.where.items()
+                   if hasattr(self.model.get_submodule(m) if m else self.model, "w13_weight")}
+        live_checked = [n for n, b in self.buffers.items() if n in live and n not in experts
+                        and tuple(live[n].shape) == tuple(b.shape)]
+        live_mismatched = [n for n in live_checked if not _same(
+            live[n].data, self._as_loaded(n, self.buffers[n]))]
+        return {"rank": self.rank, "checked": len(self.buffers) + len(self.live),
+                "in_place_checked": len(self.live), "mismatched": mismatched,
+                "live_checked": len(live_checked), "live_mismatched": live_mismatched}
+
+    def reconnect(self, host: str, port: int, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Meet the trainer again at a new ``host:port`` after a lost worker (collective
+        with the trainer ranks' ``RefitSender.reconnect`` or fresh senders): the live
+        weights and the version are kept; the mapping and the buffers are remade."""
+        self.receiver.reconnect(host, port, timeout=timedelta(seconds=timeout_s))
+        return self.info()
+
+    def _as_loaded(self, name: str, logical: torch.Tensor) -> torch.Tensor:
+        """A logical tensor as vLLM's loader stores it (its conversion applied)."""
+        how = self.mapping.converts.get(name)
+        return logical if how is None else _converted(how, logical).to(self.where[name][3])
+
+    def close(self) -> None:
+        self.receiver.comm.close()
+
+
+def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
+    """Bit for bit the same values; where vLLM holds a tensor in another dtype than its
+    checkpoint form (a bias it turned to float32), the same through an exact cast both
+    ways."""
+    if held.dtype == logical.dtype:
+        return torch.equal(held, logical)
+    return (torch.equal(held, logical.to(held.dtype)) and
+            torch.equal(held.to(logical.dtype), logical))

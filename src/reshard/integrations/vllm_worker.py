@@ -1,0 +1,269 @@
+"""The doors vLLM's workers call: :class:`ReshardWorkerExtension` (mixed into every
+worker by ``LLM(worker_extension_cls=...)``, its ``reshard_*`` methods reached through
+``collective_rpc``) and :class:`ReshardWeightTransferEngine`, the ``"reshard"`` backend
+of vLLM's weight-transfer protocol, registered in ``WeightTransferEngineFactory`` when
+this module is imported. Both drive one :class:`ReshardState` per rank
+(:mod:`reshard.integrations.vllm_state`). No ``reshard_*`` method raises into vLLM
+(:func:`_reported`); :func:`collective` turns a failed worker's reply back into an
+exception in the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.errors import ReshardError
+from reshard.integrations.vllm_state import ReshardState
+
+__all__ = [
+    "BACKEND", "ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
+    "ReshardWorkerExtension", "collective", "register",
+]
+
+log = logging.getLogger("reshard.vllm")
+BACKEND = "reshard"
+
+
+def _load_state(path: str, model_type: str | None = None) -> dict[str, torch.Tensor]:
+    from reshard.integrations.hf import checkpoint_state_dict
+
+    return checkpoint_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+                                 model_type)
+
+
+def _reported(fn: Any) -> Any:
+    """Return an exception as ``{"ok": False, "raised": type, "error": message}``.
+
+    vLLM 0.32's ``MultiprocExecutor.collective_rpc`` stops reading replies at the first
+    failed worker: the replies of the workers after it stay queued and are taken as the
+    answers of the *next* call (every later RPC is then off by one). So no method here
+    raises into vLLM; :func:`collective` turns such replies back into an exception."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as e:
+            log.exception("reshard: %s failed", fn.__name__)
+            return {"ok": False, "rank": getattr(self, "rank", None),
+                    "raised": type(e).__name__, "error": str(e)}
+
+    return wrapper
+
+
+def collective(llm: Any, method: str, *args: Any, timeout: float | None = None,
+               **kwargs: Any) -> list[Any]:
+    """``llm.collective_rpc(method, ...)`` that raises :class:`ReshardError` when a
+    worker's ``reshard_*`` method raised (see :func:`_reported`); one result per rank."""
+    results = llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+    failed = [r for r in results if isinstance(r, dict) and r.get("raised")]
+    if failed:
+        ranks = [r["rank"] for r in failed]
+        raise ReshardError(f"{method} failed on vLLM rank(s) {ranks}: {failed[0]['raised']}: "
+                           f"{failed[0]['error']}")
+    return results
+
+
+class ReshardWorkerExtension:
+    """Mixed into vLLM's worker class (``LLM(worker_extension_cls=...)``); every method
+    runs on every worker through ``llm.collective_rpc("reshard_...")`` -- or, raising on
+    failure, :func:`collective` ``(llm, "reshard_...")``. None raises into vLLM: an
+    exception comes back as ``{"ok": False, "raised": ..., "error": ...}``."""
+
+    @_reported
+    def reshard_init(self, host: str, port: int, trainer_size: int,
+                     inference_size: int | None = None, staging: str = "shadow",
+                     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                     hf_tensors: Mapping[str, Sequence[int]] | None = None,
+                     timeout_s: float = 120.0, unchecked_family_ok: bool = False
+                     ) -> dict[str, Any]:
+        """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
+        learn its tensor names and shapes there, build the mapping, the logical buffers
+        and the receiver; returns sizes. ``hf_tensors`` (HF name -> global shape) is
+        only needed to map before the meeting; an unknown tensor on either side is a
+        ``MappingError`` on every rank of both jobs, nothing moved; so is a model family
+        whose refit was never checked end to end (``vllm_mapping.CHECKED_FAMILIES``)
+        unless ``unchecked_family_ok`` (or ``RESHARD_UNCHECKED_FAMILIES=1``)."""
+        self._reshard_drop()
+        size = inference_size or self.vllm_config.parallel_config.world_size
+        self._reshard = ReshardState(
+            self.model_runner.get_model(), self.vllm_config, rank=self.rank,
+            inference_size=size, host=host, port=port, trainer_size=trainer_size,
+            staging=staging, budget_bytes=budget_bytes, hf_tensors=hf_tensors,
+            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok)
+        return self._reshard.info()
+
+    @_reported
+    def reshard_refit(self) -> dict[str, Any]:
+        """Receive the next version and make it live: {ok, version, seconds,
+        bytes_received, expected_bytes, receive_seconds, commit_seconds, error?}."""
+        return self._reshard_state().refit()
+
+    @_reported
+    def reshard_version(self) -> int:
+        return self._reshard_state().version
+
+    @_reported
+    def reshard_status(self) -> dict[str, Any]:
+        """{rank, version, stale}: ``stale`` while the live weights may be torn (a refit
+        with ``staging="none"`` failed midway), until a complete refit lands."""
+        return self._reshard_state().status()
+
+    @_reported
+    def reshard_info(self) -> dict[str, Any]:
+        return self._reshard_state().info()
+
+    @_reported
+    def reshard_last(self) -> dict[str, Any]:
+        """The outcome of the last refit on this rank (as :meth:`reshard_refit` returns)."""
+        return self._reshard_state().last
+
+    @_reported
+    def reshard_dump(self, names: Sequence[str] | None = None) -> dict[str, list]:
+        """This rank's logical tensors as of the last refit, vLLM name -> nested lists
+        (what ``collective_rpc`` carries; ``torch.tensor(x, dtype=...)`` restores them
+        exactly)."""
+        buffers = self._reshard_state().buffers
+        return {n: buffers[n].tolist() for n in (names or buffers)}
+
+    @_reported
+    def reshard_verify(self, path: str) -> dict[str, Any]:
+        """Check the last refit against vLLM's own loaders fed the full state dict saved
+        at ``path`` (``torch.save`` of HF name -> tensor)."""
+        state = self._reshard_state()
+        model_type = getattr(state.vllm_config.model_config.hf_config, "model_type", None)
+        return state.verify(_load_state(path, model_type))
+
+    @_reported
+    def reshard_reconnect(self, host: str, port: int, timeout_s: float = 120.0
+                          ) -> dict[str, Any]:
+        """After a refit failed because a trainer rank was lost (``reshard_last`` says
+        ``ok: False``; the previous version stays live): meet the trainer again at a new
+        ``host:port``, keeping the live weights and the version; returns sizes."""
+        return self._reshard_state().reconnect(host, port, timeout_s)
+
+    @_reported
+    def reshard_close(self) -> None:
+        """Leave the weight-update group (the engine keeps serving)."""
+        self._reshard_drop()
+
+    def _reshard_drop(self) -> None:
+        state = getattr(self, "_reshard", None)
+        if state is not None:
+            state.close()
+            self._reshard = None
+
+    def _reshard_state(self) -> ReshardState:
+        """The newest of the extension's own state and the ``reshard`` backend's."""
+        states = [getattr(self, "_reshard", None),
+                  getattr(getattr(self, "weight_transfer_engine", None), "state", None)]
+        state = max((s for s in states if isinstance(s, ReshardState)),
+                    key=lambda s: s.created, default=None)
+        if state is None:
+            raise ReshardError("call reshard_init (or init_weight_transfer_engine with the "
+                               "reshard backend) first")
+        return state
+
+
+# -------------------------------------------------------------- weight-transfer backend
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    trainer_size: int
+    staging: str = "shadow"
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    hf_tensors: dict[str, list[int]] | None = None
+    timeout_s: float = 120.0
+    #: refit a model family whose refit was never checked end to end (see
+    #: ``reshard.integrations.vllm_mapping.check_family``)
+    unchecked_family_ok: bool = False
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Nothing per round: the plan was agreed at init, the version comes from the
+    trainer."""
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    """``weight_transfer_config={"backend": "reshard"}``: init meets the trainer,
+    ``update_weights`` receives, ``finish_weight_update`` commits."""
+
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.state: ReshardState | None = None
+        self.received: dict[str, Any] | None = None
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+        pc = self.parallel_config
+        self.state = ReshardState(
+            self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
+            host=init_info.master_address, port=init_info.master_port,
+            trainer_size=init_info.trainer_size, staging=init_info.staging,
+            budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
+            timeout_s=init_info.timeout_s, unchecked_family_ok=init_info.unchecked_family_ok)
+
+    def start_weight_update(self) -> None:
+        self.received = None
+
+    def update_weights(self, update_info: Any) -> None:
+        # the base class synchronizes the accelerator, which raises on CPU-only torch
+        self.receive_weights(self.parse_update_info(update_info or {}))
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        """Receive into the logical buffers. A failed refit does not raise (see
+        :func:`_reported`: raising on every worker desynchronizes vLLM 0.32's RPC
+        replies); it is logged, ``reshard_last`` reports it, and the following
+        ``finish_weight_update`` commits nothing, so the previous version stays live."""
+        if self.state is None:
+            raise ReshardError("init_weight_transfer_engine first")
+        try:
+            self.received = self.state.receive()
+        except Exception:
+            log.exception("reshard: refit failed; the previous weights stay live")
+            self.received = None
+
+    def finish_weight_update(self) -> None:
+        if self.state is not None and self.received is not None:
+            self.state.commit()
+        self.received = None
+
+    def shutdown(self) -> None:
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+
+
+def register() -> None:
+    """Register the ``reshard`` backend in vLLM's weight-transfer engine registry."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, ReshardWeightTransferEngine)
+
+
+register()
