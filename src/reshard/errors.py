@@ -49,3 +49,8 @@ class MappingError(ReshardError, ValueError):
 
 class ClusterError(ReshardError, ValueError):
     """A cluster description is malformed or unknown."""
+
+
+class Fp8BlockError(MappingError):
+    """A tensor does not fit FP8 block quantization: not 2-D, or an engine rank's split of
+    it is not a multiple of the block (what vLLM refuses to load)."""
