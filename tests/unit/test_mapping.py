@@ -249,9 +249,10 @@ def test_model_spec_and_transformers5_config_keys() -> None:
 
 
 def test_mapping_module_imports_no_vllm_or_transformers() -> None:
-    source = Path(reshard.integrations.vllm_mapping.__file__).read_text()
-    for mod in ("vllm", "transformers"):
-        assert f"import {mod}" not in source and f"from {mod}" not in source
+    for module in (reshard.integrations.vllm_mapping, reshard.integrations.vllm_rules):
+        source = Path(module.__file__).read_text()
+        for mod in ("vllm", "transformers"):
+            assert f"import {mod}" not in source and f"from {mod}" not in source, module
 
 
 def test_unmapped_tensors_are_named_on_each_side():
