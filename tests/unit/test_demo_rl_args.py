@@ -1,6 +1,9 @@
-"""The RL demo's command line: bad choices are refused by name before anything starts."""
+"""The RL demo's command line: bad choices are refused by name before anything starts;
+the demos' output is quiet unless ``--verbose`` or ``RESHARD_VERBOSE=1``."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -27,3 +30,37 @@ def test_bad_choices_are_refused_by_name(argv, says, capsys):
         demo_rl.main(argv)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_demos_quiet_their_libraries_unless_asked_or_already_set(monkeypatch):
+    from reshard.tools import rl_task
+
+    for name in [*rl_task.QUIET_ENV, "PYTHONWARNINGS", "RESHARD_VERBOSE"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the user's own choice stays
+    monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
+    assert not rl_task.verbose_requested()
+    rl_task.quiet_env(False)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    assert os.environ["TORCH_LOGS"] == "-torch"
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+    filters = os.environ["PYTHONWARNINGS"].split(",")
+    assert filters[0] == "error::DeprecationWarning" and len(filters) == 2
+    rl_task.quiet_env(False)  # twice: the same filters, not doubled
+    assert os.environ["PYTHONWARNINGS"].split(",") == filters
+
+
+@pytest.mark.parametrize("flag, env, expected", [(True, None, True), (False, "1", True),
+                                                 (False, "0", False), (False, "", False)])
+def test_verbose_shows_every_log(flag, env, expected, monkeypatch):
+    from reshard.tools import rl_task
+
+    for name in [*rl_task.QUIET_ENV, "RESHARD_VERBOSE"]:
+        monkeypatch.delenv(name, raising=False)
+    if env is not None:
+        monkeypatch.setenv("RESHARD_VERBOSE", env)
+    assert rl_task.verbose_requested(flag) is expected
+    rl_task.quiet_env(rl_task.verbose_requested(flag))
+    assert os.environ["VLLM_LOGGING_LEVEL"] == ("INFO" if expected else "ERROR")
+    assert ("TORCH_LOGS" in os.environ) is not expected

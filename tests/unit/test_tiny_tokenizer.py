@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 
 from reshard.errors import ConfigError  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
-from reshard.tools.rl_task import PROMPTS, SYSTEM_PROMPT  # noqa: E402
+from reshard.tools.rl_task import PROMPTS, SYSTEM_PROMPT, sample_text  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab_size", [5, 500, 509, 512, 6000])
@@ -47,6 +47,8 @@ def test_build_tiny_model_saves_it_where_autotokenizer_loads_it(tmp_path):
     for prompt in PROMPTS:
         words = tok.decode(prompt[len(SYSTEM_PROMPT):]).split()
         assert len(words) == len(prompt) - len(SYSTEM_PROMPT) and "<unk>" not in words
+    assert sample_text(tok, (PROMPTS[2], [3, 4])) == (
+        f'"{tok.decode(PROMPTS[2][len(SYSTEM_PROMPT):])}" -> "the trainer"')
 
 
 def test_a_checkpoint_of_the_model_keeps_its_tokenizer(tmp_path):

@@ -9,10 +9,14 @@ refit benchmark.
 3. A synthetic transformer state moves from a tp4 trainer to a tp2 x dp2 inference
    side on 8 local gloo processes with reshard, p2p and gather-and-broadcast, each
    verified bit for bit, timed against the floor.
+
+It prints its own lines and errors only; ``--verbose`` (or ``RESHARD_VERBOSE=1``) shows
+vLLM's, transformers' and torch's logs, warnings and progress bars too.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -39,12 +43,17 @@ def brief_example() -> None:
           "logical payload for gather-and-broadcast\n")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verbose", action="store_true",
+                    help="show the libraries' logs, warnings and progress bars (also "
+                         "RESHARD_VERBOSE=1)")
+    args = ap.parse_args(argv)
     brief_example()
     print("2) RL refit: FSDP2 trainer (2 gloo ranks) -> vLLM engine (TP=2, CPU)", flush=True)
     from reshard.tools.demo_rl import main as rl_main
 
-    status = rl_main([])
+    status = rl_main(["--verbose"] if args.verbose else [])
     if status == 2:
         print("   (vLLM is not installed: `make demo` installs it; skipping this part)")
     size = os.environ.get("RESHARD_DEMO_BYTES", "256MiB")

@@ -42,11 +42,16 @@ from reshard.tools.rl_task import (
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     PROMPTS,
+    SYSTEM_PROMPT,
     TP,
     TRAINERS,
     greedy,
+    quiet_env,
     reinforce_step,
+    sample_text,
     save_step,
+    shutdown,
+    verbose_requested,
     vllm_cpu_env,
 )
 from reshard.tools.rl_task import reward as _reward
@@ -159,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=parse_parallel, default=None, metavar="SPEC",
                     help="with --trainer megatron: its tp / pp / dp sizes, e.g. tp2 "
                          "(default), pp2, tp2,pp2, tp1,dp2")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show vLLM's, transformers' and torch's logs, warnings and progress "
+                         "bars (also RESHARD_VERBOSE=1); by default the demo prints only its "
+                         "own lines and errors")
     args = ap.parse_args(argv)
     if args.parallel is not None and args.trainer != "megatron":
         ap.error("--parallel is for --trainer megatron")
@@ -169,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print("megatron-core is not installed; make setup installs megatron-core==0.19.2")
             return 2
         args.parallel = args.parallel or parse_parallel("tp2")
+    quiet_env(verbose_requested(args.verbose))  # before vLLM or transformers is imported
     vllm_cpu_env()
     if args.launcher == "ray":
         from reshard.tools.ray_loop import main as ray_main
@@ -196,7 +206,8 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
     model_dir = hf.build_tiny_model(work / "tiny-qwen3", "qwen3", vocab_size=500)
     out_dir = work / "steps"
     out_dir.mkdir()
-    print(f"tiny Qwen3 (vocab 500 -> vLLM pads to 512) in {model_dir}")
+    print(f"tiny Qwen3 (vocab 500 -> vLLM pads to 512) and its word-level tokenizer in "
+          f"{model_dir}")
     if megatron:
         target, world = _megatron_trainer, args.parallel.world_size
         what, first = f"Megatron-Core {args.parallel}", args.parallel
@@ -228,12 +239,15 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
               f"{time.perf_counter() - t0:.1f} s; Hugging Face checkpoint of it in "
               f"{model_dir}")
     t0 = time.perf_counter()
-    llm = LLM(model=str(model_dir), tensor_parallel_size=TP, skip_tokenizer_init=True,
-              enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=16, seed=0,
-              kv_cache_memory_bytes=KV_CACHE_BYTES,
+    llm = LLM(model=str(model_dir), tensor_parallel_size=TP, enforce_eager=True,
+              dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, use_tqdm_on_load=False,
               worker_extension_cls="reshard.integrations.vllm.ReshardWorkerExtension")
     print(f"vLLM engine up (TP={TP}) in {time.perf_counter() - t0:.1f} s")
+    tokenizer = llm.get_tokenizer()  # the model's word-level tokenizer, as vLLM loaded it
+    tasks = " | ".join(f'"{tokenizer.decode(p[len(SYSTEM_PROMPT):])}"' for p in PROMPTS)
+    print(f"prompts: a shared {len(SYSTEM_PROMPT)}-token system prompt (vLLM caches it "
+          f"across refits) + a task each: {tasks}")
     if not megatron:
         thread.start()
     ref = hf.load_model(model_dir, torch.float32).eval()
@@ -278,10 +292,13 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
               f"{sum(t['sent'] for t in trained)} B, vLLM ranks received "
               f"{[r['bytes_received'] for r in res]} B | generation vs transformers "
               f"{'OK' if same else 'FAIL'}, weights vs vLLM loader {'OK' if exact else 'FAIL'}"
-              f"{'' if bytes_ok else ', bytes FAIL'} => {'OK' if ok else 'FAIL'}", flush=True)
+              f"{'' if bytes_ok else ', bytes FAIL'} => {'OK' if ok else 'FAIL'}")
+        # one of the step's rollouts as text (a different task each step)
+        print(f"        sample: {sample_text(tokenizer, batch[2 * (step - 1) % len(batch)])}",
+              flush=True)
     thread.join(timeout=120)
     collective(llm, "reshard_close")
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
     if trainer_error:
         print(f"trainer failed: {trainer_error[0]}")
         failures += 1

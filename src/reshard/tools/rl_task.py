@@ -1,10 +1,14 @@
 """The toy RL task of ``reshard.tools.demo_rl``, whichever launcher runs it (local
 processes, or Ray actors: :mod:`reshard.tools.ray_loop`): prompts, reward, one REINFORCE
-step, the per-step checkpoint the checks compare vLLM with, vLLM's CPU settings."""
+step, the per-step checkpoint the checks compare vLLM with, vLLM's CPU settings, the
+demos' quiet output and an engine's clean shutdown."""
 
 from __future__ import annotations
 
+import builtins
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +99,62 @@ def vllm_cpu_env() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # at shutdown vLLM waits this long for its workers to exit on their own (default 5 s,
+    # short on a busy host), then terminates them
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+
+
+#: What the demos set, where the user has not, so that they print what a user needs and
+#: nothing of their libraries' start-up chatter (``--verbose`` or ``RESHARD_VERBOSE=1``:
+#: none of it, and vLLM logs at its own level, INFO). Children inherit it.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's set-up warnings (no Triton, eager mode, ...)
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars and others
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TORCH_LOGS": "-torch",  # torch's Python loggers at ERROR ("Triton not available")
+}
+#: Python warnings of the libraries' imports that say nothing about the demo.
+QUIET_WARNINGS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",)
+
+
+def verbose_requested(flag: bool = False) -> bool:
+    """Whether the demos show their libraries' logs: ``--verbose`` or ``RESHARD_VERBOSE``
+    set to anything but 0."""
+    return flag or os.environ.get("RESHARD_VERBOSE", "0") not in ("", "0")
+
+
+def quiet_env(verbose: bool) -> None:
+    """The demos' output to what a user needs (:data:`QUIET_ENV`, :data:`QUIET_WARNINGS`),
+    set before vLLM or transformers is imported; with ``verbose``, vLLM's own log level."""
+    if verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        return
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    filters = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys([*filters, *QUIET_WARNINGS]))
+    for spec in QUIET_WARNINGS:
+        action, message, category = spec.split(":")
+        warnings.filterwarnings(action, message=re.escape(message),
+                                category=getattr(builtins, category))
+
+
+#: How long an engine's processes may take to exit at shutdown before vLLM kills them
+#: (``engine_core.shutdown``'s default, 5 s, is short of their teardown on a busy host:
+#: "force killing remaining processes").
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def shutdown(llm: Any) -> None:
+    """Shut the vLLM engine ``llm`` down cleanly: its engine core and workers exit on
+    their own, within :data:`SHUTDOWN_TIMEOUT_S`."""
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+
+
+def sample_text(tokenizer: Any, rollout: Rollout) -> str:
+    """One rollout as text: its task (the prompt after :data:`SYSTEM_PROMPT`) and its
+    completion, each decoded with ``tokenizer``."""
+    prompt, completion = rollout
+    task = tokenizer.decode(prompt[len(SYSTEM_PROMPT):])
+    return f'"{task}" -> "{tokenizer.decode(completion)}"'
+
