@@ -55,7 +55,8 @@ def _cuts(draw, total, max_parts):
 
 @st.composite
 def layouts(draw):
-    kind = draw(st.sampled_from(["rows", "cols", "grid", "placed", "megatron", "whole+rows"]))
+    kind = draw(st.sampled_from(["rows", "rows", "cols", "grid", "grid", "placed", "megatron",
+                                 "whole+rows"]))
     if kind == "megatron":
         tp = draw(st.integers(1, 3))
         groups = tp * draw(st.integers(1, 3))

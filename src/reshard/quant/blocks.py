@@ -158,11 +158,10 @@ def _shared(layout: Layout, block: tuple[int, int]) -> tuple[SharedBlock, ...]:
     return tuple(out)
 
 
-def _span(start: int, stop: int, i: int, n: int, total: int) -> tuple[int, int, bool]:
-    """The part ``[start, stop)`` holds of block ``i`` (size ``n``) of a dim of ``total``
-    elements, and whether that part is the whole (ragged-clipped) block."""
-    lo, hi = max(start, i * n), min(stop, (i + 1) * n)
-    return lo, hi, lo == i * n and hi == min(total, (i + 1) * n)
+def _whole(start: int, stop: int, i: int, n: int, total: int) -> bool:
+    """Whether ``[start, stop)`` holds all of block ``i`` (size ``n``, the last one
+    clipped) of a dim of ``total`` elements."""
+    return max(start, i * n) == i * n and min(stop, (i + 1) * n) == min(total, (i + 1) * n)
 
 
 def _edge_blocks(p: Piece, shape: tuple[int, ...], block: tuple[int, int]):
@@ -172,9 +171,9 @@ def _edge_blocks(p: Piece, shape: tuple[int, ...], block: tuple[int, int]):
     cols = range(bc0, bc0 + nbc)
     stop = (p.offset[0] + p.size[0], p.offset[1] + p.size[1])
     part_rows = [i for i in {rows[0], rows[-1]}
-                 if not _span(p.offset[0], stop[0], i, block[0], shape[0])[2]]
+                 if not _whole(p.offset[0], stop[0], i, block[0], shape[0])]
     part_cols = [j for j in {cols[0], cols[-1]}
-                 if not _span(p.offset[1], stop[1], j, block[1], shape[1])[2]]
+                 if not _whole(p.offset[1], stop[1], j, block[1], shape[1])]
     yield from ((i, j) for i in part_rows for j in cols)
     yield from ((i, j) for i in rows for j in part_cols)
 

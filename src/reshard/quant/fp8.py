@@ -98,11 +98,14 @@ def quantize_reference(x: Any, fmt: BlockFormat | None = None) -> tuple[Any, Any
     return q[:x.shape[0], :x.shape[1]].contiguous(), scale
 
 
-def amax_grid(local: Any, layout: Layout, rank: int, blocks: TensorBlocks) -> Any:
-    """This rank's partial amax of every block of the grid (0 where it holds nothing)."""
+def amax_grid(local: Any, layout: Layout, rank: int, blocks: TensorBlocks,
+              device: Any = None) -> Any:
+    """This rank's partial amax of every block of the grid (0 where it holds nothing), on
+    ``local``'s device (``device`` where it holds none of the tensor)."""
     import torch
 
-    grid = torch.zeros(blocks.grid, dtype=torch.float32)
+    where = local.device if local is not None else device
+    grid = torch.zeros(blocks.grid, dtype=torch.float32, device=where)
     if rank not in layout.rank_set:
         return grid
     _check_local(local, layout, rank, blocks.name)
@@ -117,22 +120,22 @@ def amax_grid(local: Any, layout: Layout, rank: int, blocks: TensorBlocks) -> An
     return grid
 
 
-def _shared_index(blocks: TensorBlocks) -> Any:
+def _shared_index(blocks: TensorBlocks, device: Any) -> Any:
     import torch
 
     cols = blocks.grid[1]
     return torch.tensor([s.block[0] * cols + s.block[1] for s in blocks.shared],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
 
 
 def shared_amax(grid: Any, blocks: TensorBlocks) -> Any:
     """This rank's partial amax of the tensor's shared blocks, in the plan's order."""
-    return grid.flatten()[_shared_index(blocks)]
+    return grid.flatten()[_shared_index(blocks, grid.device)]
 
 
 def set_shared(grid: Any, blocks: TensorBlocks, values: Any) -> None:
     """Write the exchanged (final) amax of the shared blocks into ``grid``."""
-    grid.view(-1)[_shared_index(blocks)] = values
+    grid.view(-1)[_shared_index(blocks, grid.device)] = values
 
 
 def quantize_local(local: Any, layout: Layout, rank: int, blocks: TensorBlocks,
@@ -143,7 +146,7 @@ def quantize_local(local: Any, layout: Layout, rank: int, blocks: TensorBlocks,
 
     _check_local(local, layout, rank, blocks.name)
     view = layout.view(rank)
-    q = torch.zeros(view.local_shape, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(view.local_shape, dtype=torch.float8_e4m3fn, device=local.device)
     scales = []
     for p in view.pieces:
         box = block_box(p.offset, p.size, blocks.block)

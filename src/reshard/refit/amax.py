@@ -41,8 +41,9 @@ def quantize_on_rank(plan: Fp8Plan, layouts: Mapping[str, Layout],
                      locals_: Mapping[str, torch.Tensor], rank: int,
                      group: Any = None) -> dict[str, Fp8Shard]:
     """This rank's FP8 shards of every tensor it holds (``rank`` is its rank in the
-    layouts, which are the group's ranks)."""
-    grids = {t.name: amax_grid(locals_.get(t.name), layouts[t.name], rank, t)
+    layouts, which are the group's ranks); every rank of ``group`` calls it."""
+    device = next((x.device for x in locals_.values()), None)
+    grids = {t.name: amax_grid(locals_.get(t.name), layouts[t.name], rank, t, device)
              for t in plan.tensors}
     exchange_amax(plan, grids, group)
     return {t.name: quantize_local(locals_[t.name], layouts[t.name], rank, t,
