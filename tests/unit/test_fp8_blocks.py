@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import reshard as R
 from reshard.quant import BlockFormat, check_engine_split, fp8_bytes, plan_fp8
+from reshard.quant.blocks import scale_layout
 from reshard.quant.fp8 import assemble, quantize_reference, quantize_shards
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -145,6 +146,49 @@ def test_shards_quantize_bit_identical_to_the_reference(layout, block, ue8m0, dt
     event(f"most sources sharing a block: {max((len(s.ranks) for s in t.shared), default=0)}")
     event(f"ragged edge: {any(n % b for n, b in zip(layout.shape, block))}")
     event(f"a block at the amax floor (all zero): {floored(x, BlockFormat(block))}")
+
+
+def retyped(layout, dtype):
+    """The same layout, of another dtype (the FP8 codes of a bf16 shard)."""
+    return R.Layout.explicit(layout.shape, {r: layout.view(r) for r in layout.ranks}, dtype)
+
+
+@st.composite
+def source_and_engine(draw):
+    """A random trainer split and a vLLM-like TP split on block boundaries."""
+    block = draw(st.sampled_from([(4, 4), (8, 8), (4, 8)]))
+    tp, dim = draw(st.integers(1, 4)), draw(st.integers(0, 1))
+    shape = [block[0] * draw(st.integers(1, 4)), block[1] * draw(st.integers(1, 4))]
+    shape[dim] = block[dim] * tp * draw(st.integers(1, 3))
+    shape[1 - dim] -= draw(st.integers(0, block[1 - dim] - 1))  # the unsplit dim ragged
+    m, n = shape
+    src = draw(st.sampled_from(["rows", "grid"]))
+    src = (rows_layout(_cuts(draw, m, 6), n) if src == "rows"
+           else grid_layout(_cuts(draw, m, 3), _cuts(draw, n, 3)))
+    dst = R.Layout((m, n), R.Mesh(list(range(10, 10 + tp))), [R.Shard(dim)])
+    return src, dst, BlockFormat(block, draw(st.booleans()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(source_and_engine(), st.integers(0, 2**31))
+def test_codes_and_scale_rows_reach_each_engine_rank(case, seed):
+    """The shards' FP8 codes and owned scales, moved by the ordinary planner, give each
+    engine rank its part of the reference: the scale rows vLLM's loader narrows to it."""
+    src, dst, fmt = case
+    check_engine_split("w", dst, fmt.block)
+    x = random_tensor(src.shape, fmt.block, seed, torch.bfloat16)
+    t = plan_fp8(src, fmt).tensors[0]
+    shards = quantize_shards({r: src.shard(x, r) for r in src.ranks}, src, t, fmt)
+    q_ref, scale_ref = quantize_reference(x, fmt)
+    codes = R.execute_local(R.plan(retyped(src, "float8_e4m3fn"), retyped(dst, "float8_e4m3fn")),
+                            {r: s.qdata for r, s in shards.items()})
+    scales = R.execute_local(R.plan(scale_layout(src, fmt.block), scale_layout(dst, fmt.block)),
+                             {r: s.scale_local for r, s in shards.items()})
+    dim = dst.placements[0].dim
+    for k, r in enumerate(dst.ranks):
+        assert torch.equal(codes[r].view(torch.uint8), dst.shard(q_ref, r).view(torch.uint8))
+        per = dst.local_shape(r)[dim] // fmt.block[dim]  # vLLM: narrow(dim, k * per, per)
+        assert torch.equal(scales[r], scale_ref.narrow(dim, k * per, per))
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

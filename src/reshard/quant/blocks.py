@@ -20,7 +20,8 @@ from reshard.errors import Fp8BlockError, LayoutError
 from reshard.layout import Layout, Piece, dtype_itemsize
 
 __all__ = ["BlockBox", "BlockFormat", "Fp8Bytes", "Fp8Plan", "SharedBlock", "TensorBlocks",
-           "block_box", "check_engine_split", "fp8_bytes", "grid_shape", "plan_fp8"]
+           "block_box", "check_engine_split", "fp8_bytes", "grid_shape", "plan_fp8",
+           "scale_layout"]
 
 #: A box of the block grid: (first block row, block rows, first block col, block cols).
 BlockBox = tuple[int, int, int, int]
@@ -120,6 +121,33 @@ def block_box(offset: tuple[int, ...], size: tuple[int, ...], block: tuple[int, 
     r0, c0 = offset[0] // block[0], offset[1] // block[1]
     r1 = -(-(offset[0] + size[0]) // block[0])
     c1 = -(-(offset[1] + size[1]) // block[1])
+    return (r0, r1 - r0, c0, c1 - c0)
+
+
+def scale_layout(layout: Layout, block: tuple[int, int]) -> Layout:
+    """Who holds which scales, as a float32 layout of the scale grid: each rank the
+    blocks whose first element it holds (one owner per block, or replicas of one; a
+    box per piece, so the ordinary planner moves scales). On an engine split on block
+    boundaries these are the scale rows vLLM's loader narrows to each rank."""
+    views = {}
+    for r in layout.ranks:
+        boxes = [_owned(p, block) for p in layout.view(r).pieces]
+        boxes = [b for b in boxes if b[1] and b[3]]
+        rows = sum(b[1] for b in boxes)
+        cols = max((b[3] for b in boxes), default=0)
+        pieces, at = [], 0
+        for b in boxes:
+            pieces.append(((b[0], b[2]), (b[1], b[3]), (at, 0)))
+            at += b[1]
+        views[r] = ((rows, cols), pieces)
+    return Layout.explicit(grid_shape(layout.shape, block), views, "float32")
+
+
+def _owned(p: Piece, block: tuple[int, int]) -> BlockBox:
+    """The blocks whose first element lies in the piece."""
+    r0, c0 = -(-p.offset[0] // block[0]), -(-p.offset[1] // block[1])
+    r1 = -(-(p.offset[0] + p.size[0]) // block[0]) if p.numel else r0
+    c1 = -(-(p.offset[1] + p.size[1]) // block[1]) if p.numel else c0
     return (r0, r1 - r0, c0, c1 - c0)
 
 

@@ -27,7 +27,14 @@ from typing import Any
 
 from reshard.errors import Fp8BlockError, TensorMismatchError
 from reshard.layout import Layout, Piece, box_slices
-from reshard.quant.blocks import BlockBox, BlockFormat, TensorBlocks, block_box, grid_shape
+from reshard.quant.blocks import (
+    BlockBox,
+    BlockFormat,
+    TensorBlocks,
+    block_box,
+    grid_shape,
+    scale_layout,
+)
 
 __all__ = ["AMAX_FLOOR", "FP8_MAX", "Fp8Shard", "amax_grid", "assemble", "quantize_local",
            "quantize_reference", "quantize_shards", "scales_from_amax", "set_shared",
@@ -42,10 +49,12 @@ AMAX_FLOOR = 1e-4
 @dataclass(frozen=True)
 class Fp8Shard:
     """What one source yields for one tensor: its local tensor in FP8 (same shape and
-    pieces as the input) and the scales of the blocks each piece touches."""
+    pieces as the input), the scales of the blocks each piece touches, and its local
+    tensor of :func:`~reshard.quant.blocks.scale_layout` (the scales it sends on)."""
 
     qdata: Any
     scales: tuple[tuple[BlockBox, Any], ...]
+    scale_local: Any = None
 
 
 def scales_from_amax(amax: Any, fmt: BlockFormat) -> Any:
@@ -158,7 +167,17 @@ def quantize_local(local: Any, layout: Layout, rank: int, blocks: TensorBlocks,
         codes = _cast(padded, sub).view(box[1] * blocks.block[0], box[3] * blocks.block[1])
         r, c = p.offset[0] - box[0] * blocks.block[0], p.offset[1] - box[2] * blocks.block[1]
         q[box_slices(p.local_offset, p.size)] = codes[r:r + p.size[0], c:c + p.size[1]]
-    return Fp8Shard(q, tuple(scales))
+    return Fp8Shard(q, tuple(scales), _owned_scales(layout, rank, blocks, scale))
+
+
+def _owned_scales(layout: Layout, rank: int, blocks: TensorBlocks, scale: Any) -> Any:
+    """This rank's local tensor of the scale layout (blocks it owns are blocks it
+    touches, so their scales here are final)."""
+    own = scale_layout(layout, blocks.block).view(rank)
+    out = scale.new_zeros(own.local_shape)
+    for p in own.pieces:
+        out[box_slices(p.local_offset, p.size)] = scale[box_slices(p.offset, p.size)]
+    return out
 
 
 def quantize_shards(locals_: Mapping[int, Any], layout: Layout, blocks: TensorBlocks,
