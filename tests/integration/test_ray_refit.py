@@ -53,7 +53,7 @@ def cluster(tmp_path_factory):
         yield engine, model_dir
     finally:
         try:
-            ray.get(engine.shutdown.remote(), timeout=60)
+            ray.get(engine.shutdown.remote(), timeout=180)  # rl_task.SHUTDOWN_TIMEOUT_S
         finally:
             ray.shutdown()
 

@@ -50,6 +50,7 @@ from reshard.tools.rl_task import (
     reinforce_step,
     rollouts,
     save_step,
+    shutdown,
     vllm_cpu_env,
 )
 
@@ -223,7 +224,7 @@ class EngineActor:
         self._call("reshard_close")
 
     def shutdown(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        shutdown(self.llm)  # its processes exit on their own (rl_task.shutdown)
 
 
 @dataclass
