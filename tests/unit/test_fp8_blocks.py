@@ -275,6 +275,8 @@ def test_the_plan_is_frozen_data():
                                      "b": rows_layout([0, 4, 9], 8)},
                                     BlockFormat((4, 4), ue8m0=True)))
     assert p["a"].boxes_of(1) == ((1, 2, 0, 2),) and p["a"].shared_of(1) == (0, 1)
+    with pytest.raises(KeyError, match="no tensor 'c' in this FP8 plan of 2 tensors"):
+        p["c"]
 
 
 def test_bytes_fp8_and_scales_against_bf16():

@@ -86,7 +86,10 @@ class Fp8Plan:
     tensors: tuple[TensorBlocks, ...]
 
     def __getitem__(self, name: str) -> TensorBlocks:
-        return next(t for t in self.tensors if t.name == name)
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor {name!r} in this FP8 plan of {len(self.tensors)} tensors")
 
     @property
     def num_shared(self) -> int:
