@@ -35,8 +35,7 @@ def test_bad_choices_are_refused_by_name(argv, says, capsys):
 def test_the_demos_quiet_their_libraries_unless_asked_or_already_set(monkeypatch):
     from reshard.tools import rl_task
 
-    for name in [*rl_task.QUIET_ENV, "PYTHONWARNINGS", "RESHARD_VERBOSE"]:
-        monkeypatch.delenv(name, raising=False)
+    _unset(monkeypatch, *rl_task.QUIET_ENV, "PYTHONWARNINGS", "RESHARD_VERBOSE")
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the user's own choice stays
     monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
     assert not rl_task.verbose_requested()
@@ -56,11 +55,19 @@ def test_the_demos_quiet_their_libraries_unless_asked_or_already_set(monkeypatch
 def test_verbose_shows_every_log(flag, env, expected, monkeypatch):
     from reshard.tools import rl_task
 
-    for name in [*rl_task.QUIET_ENV, "RESHARD_VERBOSE"]:
-        monkeypatch.delenv(name, raising=False)
+    _unset(monkeypatch, *rl_task.QUIET_ENV, "PYTHONWARNINGS", "RESHARD_VERBOSE")
     if env is not None:
         monkeypatch.setenv("RESHARD_VERBOSE", env)
     assert rl_task.verbose_requested(flag) is expected
     rl_task.quiet_env(rl_task.verbose_requested(flag))
     assert os.environ["VLLM_LOGGING_LEVEL"] == ("INFO" if expected else "ERROR")
     assert ("TORCH_LOGS" in os.environ) is not expected
+    # the demo's own child processes (trainer ranks) read the choice from the environment
+    assert rl_task.verbose_requested() is expected
+
+
+def _unset(monkeypatch, *names):
+    """Unset ``names`` for this test; whatever the test sets is undone after it."""
+    for name in names:
+        monkeypatch.setenv(name, "")  # recorded, so restored (or removed) afterwards
+        monkeypatch.delenv(name)

@@ -91,6 +91,7 @@ def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str,
                       lr: float, rollouts: list[Any], results: Any) -> None:
     """One Megatron trainer rank: the GPTModel chunk of its TP / PP coordinates,
     REINFORCE on its data-parallel rank's share of each rollout, refit."""
+    import logging
     import warnings
     from datetime import timedelta
 
@@ -99,6 +100,8 @@ def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str,
     # "Transformer Engine / Apex are not installed", "CUDA_DEVICE_MAX_CONNECTIONS"...: true
     # of the CPU set-up, said once in megatron_cpu, not twice per rank per step here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    if not verbose_requested():  # "GPTModel IS DEPRECATED": the model the tests check
+        logging.getLogger("megatron").setLevel(logging.ERROR)
 
     M.init_parallel(rank, world, 0, tp=spec.tp, pp=spec.pp)
     import torch

@@ -125,8 +125,10 @@ def verbose_requested(flag: bool = False) -> bool:
 
 def quiet_env(verbose: bool) -> None:
     """The demos' output to what a user needs (:data:`QUIET_ENV`, :data:`QUIET_WARNINGS`),
-    set before vLLM or transformers is imported; with ``verbose``, vLLM's own log level."""
+    set before vLLM or transformers is imported; with ``verbose``, vLLM's own log level
+    (and ``RESHARD_VERBOSE=1`` for the demo's own child processes)."""
     if verbose:
+        os.environ["RESHARD_VERBOSE"] = "1"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         return
     for name, value in QUIET_ENV.items():
