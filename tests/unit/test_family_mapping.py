@@ -254,3 +254,22 @@ def test_a_stale_packed_gemm_is_found_by_the_weight_check():
     assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == ["proj (packed GEMM)"]
     dispatch_cpu_unquantized_gemm(model.proj, remove_weight=False)  # what a reload does
     assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == []
+
+
+def test_a_gemm_vllm_does_not_pack_is_checked_as_a_plain_gemm():
+    """MLA's ``kv_b_proj`` (``_cpu_skip_gemm_dispatch``): vLLM CPU packs no copy and runs
+    a plain GEMM of the live weight; the check does the same with the reference (a packed
+    GEMM there differs from the plain one in the last bits of float32)."""
+    pytest.importorskip("vllm")
+    from reshard.integrations.vllm import packed_gemm_mismatches
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    model = torch.nn.Module()
+    model.kv_b_proj = torch.nn.Module()
+    model.kv_b_proj.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    model.kv_b_proj._cpu_skip_gemm_dispatch = True
+    model.kv_b_proj.cpu_linear = torch.nn.functional.linear  # as vLLM sets it
+    assert packed_gemm_mismatches(model, {"kv_b_proj.weight": w}, {}) == []
+    stale = {"kv_b_proj.weight": w + 1}
+    assert packed_gemm_mismatches(model, stale, {}) == ["kv_b_proj (packed GEMM)"]

@@ -232,7 +232,8 @@ def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch
     linear's or an embedding's weight after loading; the embedding's serves an LM head
     made of it) computes otherwise than a GEMM packed fresh from ``reference`` (vLLM
     name -> this rank's logical tensor): both applied to one fixed input, bit for bit,
-    with vLLM's own packing routine, so the same kernel runs on both sides."""
+    with vLLM's own packing routine, so the same kernel runs on both sides (where vLLM
+    skips the packing, ``_cpu_skip_gemm_dispatch``, a plain GEMM of the weight on both)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     holders = {}
@@ -254,7 +255,11 @@ def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch
             continue
         fresh = torch.nn.Module()
         fresh.weight = torch.nn.Parameter(ref.clone(), requires_grad=False)
-        dispatch_cpu_unquantized_gemm(fresh, remove_weight=False)
+        if getattr(module, "_cpu_skip_gemm_dispatch", False):
+            # vLLM packs no copy of it (MLA's kv_b_proj): a plain GEMM of the live weight
+            fresh.cpu_linear = torch.nn.functional.linear
+        else:
+            dispatch_cpu_unquantized_gemm(fresh, remove_weight=False)
         x = torch.randn(3, ref.shape[1], generator=gen).to(ref.dtype)
         if not torch.equal(module.cpu_linear(x, module.weight, None),
                            fresh.cpu_linear(x, fresh.weight, None)):
