@@ -8,7 +8,9 @@ after each refit the demo checks that vLLM's greedy tokens equal those of the tr
 model holding that step's state (converted from every rank's shards by
 ``reshard.tools.megatron_hf``), that every logical vLLM weight is bit for bit what vLLM's
 own loader makes of it, that each vLLM rank received exactly its bytes and that the
-version is the step; it exits 1 on any failure. About a minute.
+version is the step; it exits 1 on any failure. Its output reads clean: one sampled
+completion per step as text, none of the libraries' warnings, tracebacks or forced
+shutdowns. About a minute.
 """
 
 from __future__ import annotations
@@ -53,3 +55,10 @@ def test_rl_demo_with_a_megatron_tp2_pp2_trainer_verifies_every_step(tmp_path):
         # no byte twice: what the trainer sent is what the vLLM ranks took in
         assert sent == sum(received), line
     assert f"{STEPS} of {STEPS} RL steps verified: all OK" in out
+    # prompts and completions print as text (the tiny model's tokenizer, loaded by vLLM)
+    samples = re.findall(r'^ +sample: "([a-z ]+)" -> "([a-z<>/ ]+)"$', out, re.M)
+    assert len(samples) == STEPS, out
+    # a clean run: none of the libraries' warnings, tracebacks or forced shutdowns
+    noise = [line for line in (out + proc.stderr).splitlines()
+             if re.search(r"Traceback|WARNING|Warning\b|DEPRECATED|force kill|it/s\]", line)]
+    assert not noise, noise
