@@ -488,7 +488,7 @@ def test_in_flight_request_at_a_commit_goes_on_with_new_kv(engines, tmp_path):
     tokens and sample logprobs bit for bit. No token after the commit reads KV computed
     with the old weights (it would differ from the fresh engine's)."""
     llm, model_dir = engines.get("qwen3")
-    n = 160  # long enough to be generating when the refit's call reaches the engine
+    n = 200  # long enough to be generating when the refit's call reaches the engine (fits 512)
     def greedy(max_tokens: int = n) -> SamplingParams:  # LLM.generate makes its own final-only
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                               detokenize=False, logprobs=0)
