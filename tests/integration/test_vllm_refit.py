@@ -57,20 +57,18 @@ import torch  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.vllm import collective  # noqa: E402
 from reshard.tools.launch import free_port  # noqa: E402
-from reshard.tools.rl_task import KV_CACHE_BYTES  # noqa: E402
+from reshard.tools.rl_task import KV_CACHE_BYTES, MAX_MODEL_LEN  # noqa: E402
+from reshard.tools.rl_task import SYSTEM_PROMPT as LONG_PROMPT  # noqa: E402
 
 JOB = Path(__file__).with_name("_vllm_trainer_job.py")
 EXT = "reshard.integrations.vllm.ReshardWorkerExtension"
 QKV0 = "model.layers.0.self_attn.qkv_proj.weight"
 PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 MAX_TOKENS = 8
-#: A rollout-shaped prompt (an RL run's shared system prompt, served again at every step):
-#: 300 tokens, two full KV blocks of vLLM CPU (128 tokens a block), which its prefix cache
-#: keeps; asked without prompt logprobs (those bypass the cache), as rollouts are. Token
-#: ids below 250 fit every tiny vocabulary.
-LONG_PROMPT = [1] + [2 + (37 * i + 11) % 248 for i in range(299)]
-#: Engines' context: the long prompt and its answer.
-MAX_MODEL_LEN = 512
+#: LONG_PROMPT, the demo's shared system prompt (rl_task.SYSTEM_PROMPT): 300 tokens, two
+#: full KV blocks of vLLM CPU, which its prefix cache keeps; the tests ask it without prompt
+#: logprobs (those bypass the cache), as rollouts are. Its ids (below 250) fit every tiny
+#: vocabulary; MAX_MODEL_LEN leaves room for its answer.
 TP = 2
 # fp32 on both sides: the same math summed in another order (oneDNN GEMMs, vLLM's CPU
 # attention vs transformers' eager attention) differs in the last bits, ~1e-6 relative

@@ -66,7 +66,7 @@ def require_loaded() -> None:
             f"weights; add {PLUGIN_NAME!r} to VLLM_PLUGINS, or unset it")
 
 
-def committed(method: Any, results: Any) -> int | None | bool:
+def committed(method: Any, results: Any) -> int | bool:
     """Whether a worker call committed new weights: the committed trainer step for a
     ``reshard_refit`` that every rank committed, ``True`` for ``finish_weight_update``
     (any backend), ``False`` otherwise."""
