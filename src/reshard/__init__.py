@@ -20,6 +20,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import (
+    AuthError,
     ClusterError,
     ConfigError,
     FingerprintMismatchError,
@@ -40,6 +41,7 @@ from reshard.stats import PlanStats
 if TYPE_CHECKING:
     from reshard.dtensor import redistribute
     from reshard.executor import Executor, RunStats, execute
+    from reshard.gate import new_token
     from reshard.refit import RefitReceiver, RefitSender, RefitStats
 
 #: Names that need torch.distributed, loaded on first use: name -> module.
@@ -51,14 +53,16 @@ _LAZY = {
     "RefitSender": "reshard.refit",
     "RefitReceiver": "reshard.refit",
     "RefitStats": "reshard.refit",
+    "new_token": "reshard.gate",
 }
 
 __all__ = [
-    "ClusterError", "ConfigError", "Executor", "FingerprintMismatchError", "Layout",
+    "AuthError", "ClusterError", "ConfigError", "Executor", "FingerprintMismatchError", "Layout",
     "LayoutError", "LocalView", "MappingError", "Mesh", "Piece", "Plan", "PlanError",
     "PlanStats", "RefitReceiver", "RefitSender", "RefitStats", "Replicate", "ReshardError",
     "RunStats", "Shard", "StridedShard", "TensorMismatchError", "TensorPlan", "Transfer",
-    "TransferError", "execute", "execute_local", "plan", "redistribute",
+    "TransferError", "execute", "execute_local", "new_token", "plan",
+    "redistribute",
 ]
 __version__ = "0.1.0"
 

@@ -51,23 +51,30 @@ class Comm:
     @classmethod
     def from_store(cls, host: str, port: int, rank: int, world_size: int, *,
                    backend: str = "gloo", is_server: bool | None = None,
-                   timeout: timedelta = timedelta(minutes=5), device: Any = None) -> Comm:
-        """Join a stateless group of ``world_size`` ranks meeting at ``host:port``."""
+                   timeout: timedelta = timedelta(minutes=5), device: Any = None,
+                   token: Any = None, listen: str | None = None) -> Comm:
+        """Join a stateless group of ``world_size`` ranks meeting at ``host:port``
+        (``token`` and ``listen`` as for :meth:`open_store`)."""
         store = cls.open_store(host, port, rank, world_size, timeout=timeout,
-                               is_server=is_server)
+                               is_server=is_server, token=token, listen=listen)
         return cls(_new_pg(store, rank, world_size, backend, timeout, device),
                    registered=False, store=store, backend=backend, timeout=timeout)
 
     @staticmethod
-    def open_store(host: str, port: int, rank: int, world_size: int, *,
+    def open_store(host: str, port: int, rank: int, world_size: int | None, *,
                    timeout: timedelta = timedelta(minutes=5),
-                   is_server: bool | None = None) -> Any:
+                   is_server: bool | None = None, token: Any = None,
+                   listen: str | None = None) -> Any:
         """The TCP store a stateless group meets at (rank 0 hosts it by default), for a
         caller that talks through it before forming the group
-        (:meth:`from_existing_store`)."""
-        return dist.TCPStore(host, port, world_size,
-                             is_master=rank == 0 if is_server is None else is_server,
-                             timeout=timeout, wait_for_workers=False)
+        (:meth:`from_existing_store`). The host listens at ``listen`` (an address or an
+        interface), else at ``host``; with a token (``token=`` or ``$RESHARD_TOKEN``)
+        only ranks holding it get in (:mod:`reshard.store`)."""
+        from reshard.store import open_store
+
+        return open_store(host, port, world_size, timeout=timeout, token=token,
+                          listen=listen, is_server=rank == 0 if is_server is None
+                          else is_server)
 
     @classmethod
     def from_existing_store(cls, store: Any, rank: int, world_size: int, *,

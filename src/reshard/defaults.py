@@ -25,5 +25,6 @@ SIM_METHODS = (*METHODS, "nemo_broadcast", "nemo_hybrid")
 #: The staging memory one rank uses per round, unless told otherwise.
 DEFAULT_BUDGET_BYTES = 256 << 20
 
-#: Message digests the executor can check (``checksum="sum"`` or ``"crc32"``).
-CHECKSUMS = ("sum", "crc32")
+#: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
+#: ``"hmac"``: keyed, with a meeting's token).
+CHECKSUMS = ("sum", "crc32", "hmac")

@@ -32,6 +32,11 @@ class TransferError(ReshardError, RuntimeError):
     """A transfer failed while running (peer lost, timeout, corrupted data)."""
 
 
+class AuthError(ReshardError, PermissionError):
+    """A meeting refused this rank's token, or a peer did not prove it holds it (see
+    ``docs/security.md``)."""
+
+
 def error_class(name: str, default: type[ReshardError]) -> type[ReshardError]:
     """The error class of this family called ``name`` (as a rank reported it to the
     others, so that every rank raises the same class), else ``default``."""

@@ -30,7 +30,7 @@ class Executor:
 
     def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None,
-                 checksum: bool | str = False) -> None:
+                 checksum: bool | str = False, digest_key: bytes | None = None) -> None:
         """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
         fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
         see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
@@ -38,9 +38,10 @@ class Executor:
         rank on one machine: each reads its regions straight out of the source ranks'
         tensors through shared memory; the group carries only control messages).
         ``budget_bytes`` caps the staging memory a rank uses per round. ``checksum``
-        (``True`` = ``"sum"``, or ``"crc32"``) sends a digest of every message after it
-        and raises
-        :class:`reshard.TransferError` on a receiving rank whose data arrived corrupt."""
+        (``True`` = ``"sum"``, ``"crc32"``, or ``"hmac"`` keyed with ``digest_key``, which
+        nobody without the key can forge) sends a digest of every message after it and
+        raises :class:`reshard.TransferError` on a receiving rank whose data arrived
+        corrupt."""
         if method not in ALL_METHODS:
             raise ConfigError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
         if budget_bytes < 1024:
@@ -56,7 +57,11 @@ class Executor:
         if self.checksum is not None:
             if method in ("gather_broadcast", COLOCATED):
                 raise ConfigError(f"checksum is not supported by the {method} method")
+            if self.checksum == "hmac" and not digest_key:
+                raise ConfigError("checksum 'hmac' needs digest_key (the key of a meeting "
+                                  "with a token)")
             self._runner.checksum = self.checksum
+            self._runner.digest_key, self._runner.digest_label = digest_key, method.encode()
         self._baseline = None
         if method == "gather_broadcast":
             from reshard._transport.baseline import GatherBroadcast
@@ -197,7 +202,8 @@ def _ranges(ranks) -> str:
 
 
 def checksum_kind(checksum: bool | str | None) -> str | None:
-    """``None`` (off), ``"sum"`` or ``"crc32"`` for an executor's ``checksum`` option."""
+    """``None`` (off), ``"sum"``, ``"crc32"`` or ``"hmac"`` for an executor's
+    ``checksum`` option."""
     if checksum is None or checksum is False:
         return None
     kind = "sum" if checksum is True else checksum

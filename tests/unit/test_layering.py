@@ -24,7 +24,8 @@ LAYERS = (
     ("_transport.", "runtime"), ("refit.", "refit"), ("refit", "refit"),
     ("integrations.", "integrations"), ("integrations", "integrations"),
     ("sim.", "sim"), ("sim", "sim"), ("tools.", "tools"), ("tools", "tools"),
-    ("_transport", "runtime"), ("comm", "runtime"), ("executor", "runtime"),
+    ("_transport", "runtime"), ("comm", "runtime"), ("gate", "runtime"),
+    ("store", "runtime"), ("executor", "runtime"),
     ("dtensor", "runtime"), ("", "core"),
 )
 

@@ -1,9 +1,12 @@
-"""Message checksums for the executor's integrity option (``checksum="sum"`` or
-``"crc32"``): a digest of every message is sent after it and compared on arrival.
-See ``docs/reliability.md``."""
+"""Message checksums for the executor's integrity option (``checksum="sum"``,
+``"crc32"`` or ``"hmac"``): a digest of every message is sent after it and compared on
+arrival. ``"hmac"`` is keyed (HMAC-SHA256 with a key derived from the meeting's token,
+over the message's place in the run and its bytes), so nobody without the token can
+forge one. See ``docs/reliability.md`` and ``docs/security.md``."""
 
 from __future__ import annotations
 
+import hmac
 import zlib
 
 import torch
@@ -14,13 +17,23 @@ from reshard.errors import ConfigError
 __all__ = ["CHECKSUMS", "digest"]
 
 
-def digest(buf: torch.Tensor, kind: str = "sum") -> int:
+def digest(buf: torch.Tensor, kind: str = "sum", *, key: bytes | None = None,
+           context: bytes = b"") -> int:
     """A message's checksum, a function of its bytes alone (not of where they sit).
 
     ``"sum"``: the wrapping int64 sum of the 8-byte words plus a position-weighted sum of
     512-word block sums (order across blocks counts) and of the trailing bytes; one pass,
     on the tensor's own device. ``"crc32"``: zlib's CRC-32 (on the host). Any single bit
-    flip changes either; only the CRC also sees reorders inside a 4 KiB block."""
+    flip changes either; only the CRC also sees reorders inside a 4 KiB block.
+    ``"hmac"``: HMAC-SHA256 under ``key`` of ``context`` and the bytes, its first 8 bytes
+    (on the host)."""
+    if kind == "hmac":
+        if key is None:
+            raise ConfigError("checksum 'hmac' needs a key (a meeting with a token)")
+        data = buf.detach().reshape(-1).view(torch.uint8).cpu()
+        h = hmac.new(key, context + b"|", "sha256")
+        h.update(memoryview(data.numpy()))
+        return int.from_bytes(h.digest()[:8], "little", signed=True)
     if kind == "crc32":
         data = buf.detach().reshape(-1).view(torch.uint8)
         return zlib.crc32(data.cpu().numpy()) if data.numel() else 0

@@ -81,7 +81,10 @@ class RankRunner:
         self.read_error: BaseException | None = None
         # reliability options (off by default; see the module docstring)
         self.deadline: float | None = None  # time.monotonic() by which every wait ends
-        self.checksum: str | None = None  # None, "sum" or "crc32"
+        self.checksum: str | None = None  # None, "sum", "crc32" or "hmac"
+        self.digest_key: bytes | None = None  # "hmac": the meeting's key
+        self.digest_label = b""  # "hmac": what tells this runner's messages from others'
+        self._runs = 0  # "hmac": a message of an earlier run does not pass in this one
         self.on_receive: Callable[[int, int, torch.Tensor], None] | None = None  # test hook
         self.broken = False  # the last run failed in the transport: the group is unusable
         # NCCL matches messages only by posting order: post each round whole, in order
@@ -132,6 +135,7 @@ class RankRunner:
         messages go round by round through the staging arenas; forwards wait for the
         rounds that brought their bytes in."""
         self.stats = RunStats()
+        self._runs += 1
         self.device = _device_of(src, dst)
         self.read_error = None
         self.broken = False
@@ -336,7 +340,10 @@ class RankRunner:
             self._note("recv", k, peer, buf)
 
     def _note(self, kind: str, k: int, peer: int, buf: torch.Tensor) -> None:
-        self._digests.setdefault((kind, peer), {})[k] = digest(buf, self.checksum or "sum")
+        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
+        context = b"%s|%d|%d|%d|%d" % (self.digest_label, self._runs, k, src, dst)
+        self._digests.setdefault((kind, peer), {})[k] = digest(
+            buf, self.checksum or "sum", key=self.digest_key, context=context)
 
     def _exchange_digests(self) -> str | None:
         """Send every peer the digests of the messages sent to it, in round order; compare

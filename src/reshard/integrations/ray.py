@@ -26,15 +26,14 @@ import ``ray`` (the ``ray`` extra: ``pip install reshard[ray]``).
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
 import socket
-import struct
 from typing import Any, NamedTuple
 
 from reshard.comm import free_port
 from reshard.errors import ConfigError
+from reshard.store import ipv4_of
 
 __all__ = ["StoreAddress", "free_port", "init_local_cluster", "interface_of", "node_address",
            "pick_store_address", "use_gloo_interface"]
@@ -42,7 +41,6 @@ __all__ = ["StoreAddress", "free_port", "init_local_cluster", "interface_of", "n
 LOOPBACK = "127.0.0.1"
 #: Ray's object store for the RL loop: it carries rollouts and small results only.
 OBJECT_STORE_BYTES = 128 << 20
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 class StoreAddress(NamedTuple):
@@ -77,26 +75,16 @@ def interface_of(address: str) -> str:
         raise ConfigError(f"interface_of takes an IPv4 address, got {address!r}")
     names = [name for _, name in socket.if_nameindex()]
     if ip.is_loopback:
-        loop = [n for n in names if _ipv4_of(n) is not None and
-                ipaddress.ip_address(_ipv4_of(n)).is_loopback]
+        loop = [n for n in names if ipv4_of(n) is not None and
+                ipaddress.ip_address(ipv4_of(n)).is_loopback]
         if loop:
             return loop[0]
     for name in names:
-        if _ipv4_of(name) == address:
+        if ipv4_of(name) == address:
             return name
-    held = {n: _ipv4_of(n) for n in names}
+    held = {n: ipv4_of(n) for n in names}
     raise ConfigError(f"no network interface of this node holds {address}; its interfaces "
                       f"hold {held}")
-
-
-def _ipv4_of(name: str) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s",
-                                                                       name.encode()[:15]))
-        except OSError:  # no IPv4 address on this interface
-            return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def use_gloo_interface(address: str) -> str:

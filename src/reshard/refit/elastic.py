@@ -38,6 +38,7 @@ untouched), works on gloo and NCCL, and costs one rendezvous per membership chan
 
 from __future__ import annotations
 
+import hmac
 import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,9 +55,10 @@ from reshard.comm import Comm
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import PlanError, ReshardError, TransferError
 from reshard.executor import Executor
+from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan
-from reshard.refit.rendezvous import Meeting
+from reshard.refit.rendezvous import Meeting, meeting_digest_key
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
 
 __all__ = ["Announcement", "ElasticReceiver", "ElasticSender"]
@@ -81,7 +83,7 @@ class _EpochSide(Side):
 
     def __init__(self, meeting: Meeting, *, method: str, budget_bytes: int,
                  progress: bool | Callable[[int, int], None],
-                 refit_timeout: timedelta | None, checksum: bool | str) -> None:
+                 refit_timeout: timedelta | None, checksum: bool | str | None) -> None:
         self.method = method
         super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
                          refit_timeout=refit_timeout, checksum=checksum)
@@ -89,7 +91,9 @@ class _EpochSide(Side):
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         progress = self._options[2]  # the budget is the one every rank agreed on
         ex = Executor(meeting.plan, self.comm, method=self.method,
-                      budget_bytes=self.budget_bytes, checksum=self.checksum)
+                      budget_bytes=self.budget_bytes,
+                      checksum=self._checksum_kind(meeting) or False,
+                      digest_key=meeting.digest_key)
         if progress:
             ex.progress = progress if callable(progress) else print_progress
         return [ex]
@@ -151,11 +155,15 @@ class _Participant:
 
     def __init__(self, host: str, port: int, *, is_master: bool, timeout: timedelta,
                  method: str, budget_bytes: int, backend: str,
-                 refit_timeout: timedelta | None, checksum: bool | str,
-                 progress: bool | Callable[[int, int], None]) -> None:
+                 refit_timeout: timedelta | None, checksum: bool | str | None,
+                 progress: bool | Callable[[int, int], None],
+                 token: str | bytes | None = None, listen: str | None = None) -> None:
         self.timeout, self.backend = timeout, backend
-        self.store = dist.TCPStore(host, port, None, is_master=is_master, timeout=timeout,
-                                   wait_for_workers=False)
+        key = resolve_key(token)
+        self.store = Comm.open_store(host, port, 0 if is_master else 1, None,
+                                     is_server=is_master, timeout=timeout, token=key,
+                                     listen=listen)
+        self.digest_key = meeting_digest_key(self.store, key, is_master, timeout)
         self.kv = dist.PrefixStore(_PREFIX, self.store)
         self._side_opts = dict(method=method, budget_bytes=budget_bytes, progress=progress,
                                refit_timeout=refit_timeout, checksum=checksum)
@@ -194,7 +202,8 @@ class _Participant:
                 dist.PrefixStore(f"epoch/{ann.epoch}", self.kv), rank, size,
                 backend=self.backend, timeout=self.timeout,
                 name=f"{_PREFIX}/epoch/{ann.epoch}")
-            meeting = Meeting(comm, the_plan, rank, side, 0 if side == "trainer" else rank)
+            meeting = Meeting(comm, the_plan, rank, side, 0 if side == "trainer" else rank,
+                              self._epoch_key(ann.epoch))
             if self.side is None:
                 self.side = _EpochSide(meeting, **self._side_opts)
             else:
@@ -205,6 +214,12 @@ class _Participant:
             raise TransferError(f"forming the group of membership epoch {ann.epoch} failed "
                                 f"({str(e).splitlines()[0]}); nothing was moved") from e
         self.broken = False
+
+    def _epoch_key(self, epoch: int) -> bytes | None:
+        """The digest key of one epoch's group (a message of another epoch fails)."""
+        if self.digest_key is None:
+            return None
+        return hmac.digest(self.digest_key, b"epoch %d" % epoch, "sha256")
 
     def close(self) -> None:
         if self.side is not None:
@@ -222,17 +237,20 @@ class ElasticSender(_Participant):
                  method: str = "reshard", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  refit_timeout: timedelta | None = None,
-                 rejoin_timeout: timedelta | None = None, checksum: bool | str = False,
-                 progress: bool | Callable[[int, int], None] = False) -> None:
+                 rejoin_timeout: timedelta | None = None, checksum: bool | str | None = None,
+                 progress: bool | Callable[[int, int], None] = False,
+                 token: str | bytes | None = None, listen: str | None = None) -> None:
         """``timeout`` bounds store operations and group formation; ``refit_timeout``
         each refit (see :class:`reshard.refit.RefitSender`); ``rejoin_timeout`` how long
         the coordinator waits, after a failed refit, for replicas to report alive
-        (default: ``refit_timeout`` or ``timeout``)."""
+        (default: ``refit_timeout`` or ``timeout``). ``token``, ``listen`` and
+        ``checksum`` are as for :class:`reshard.refit.RefitSender`."""
         if layouts is None:
             _, layouts = layouts_of(params)
         super().__init__(host, port, is_master=rank == 0, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
-                         refit_timeout=refit_timeout, checksum=checksum, progress=progress)
+                         refit_timeout=refit_timeout, checksum=checksum, progress=progress,
+                         token=token, listen=listen)
         self.params, self.layouts = params, dict(layouts)
         self.rank, self.trainer_size = rank, trainer_size
         self.rejoin_timeout = rejoin_timeout or refit_timeout or timeout
@@ -349,13 +367,15 @@ class ElasticReceiver(_Participant):
                  host: str, port: int, replica_id: str, rank: int, tp_size: int,
                  method: str = "reshard", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
-                 refit_timeout: timedelta | None = None, checksum: bool | str = False,
-                 progress: bool | Callable[[int, int], None] = False) -> None:
+                 refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
+                 progress: bool | Callable[[int, int], None] = False,
+                 token: str | bytes | None = None) -> None:
         if not 0 <= rank < tp_size:
             raise PlanError(f"rank must be in [0, {tp_size}), got {rank}")
         super().__init__(host, port, is_master=False, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
-                         refit_timeout=refit_timeout, checksum=checksum, progress=progress)
+                         refit_timeout=refit_timeout, checksum=checksum, progress=progress,
+                         token=token)
         self.replica_id, self.rank, self.tp_size = str(replica_id), rank, tp_size
         self.layouts = dict(layouts)
         self.targets = dict(targets)

@@ -9,6 +9,7 @@ import torch
 
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError
+from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side
@@ -39,9 +40,10 @@ class RefitReceiver(Side):
                  progress: bool | Callable[[int, int], None] = False,
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
-                 checksum: bool | str = False,
+                 checksum: bool | str | None = None, token: str | bytes | None = None,
+                 listen: str | None = None,
                  direct: Collection[str] = (), prepare: Prepare | None = None) -> None:
-        """The timeouts and ``checksum`` are as for :class:`RefitSender`. ``direct``:
+        """The timeouts, ``checksum`` and ``token`` are as for :class:`RefitSender`. ``direct``:
         names whose targets are not live memory but the caller's own staging (buffers it
         commits itself once :meth:`refit` returned, as the vLLM integration's logical
         buffers): written straight even with ``staging="shadow"``, never shadowed."""
@@ -56,7 +58,8 @@ class RefitReceiver(Side):
         meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
                          inference_size=inference_size, backend=backend,
                          layouts=layouts if prepare is None else self._preparing(prepare),
-                         timeout=connect_timeout or timeout)
+                         timeout=connect_timeout or timeout, token=resolve_key(token),
+                         listen=listen)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)

@@ -10,6 +10,7 @@ weight moves; if any rank disagrees, every rank raises ``FingerprintMismatchErro
 from __future__ import annotations
 
 import pickle
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,10 +18,12 @@ from datetime import timedelta
 
 from reshard.comm import Comm
 from reshard.errors import FingerprintMismatchError, PlanError, ReshardError, error_class
+from reshard.gate import AuthError, Key, resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
+from reshard.store import refusals
 
-__all__ = ["Meeting", "meet"]
+__all__ = ["Meeting", "meet", "meeting_digest_key"]
 
 SIDES = ("trainer", "inference")
 
@@ -34,6 +37,8 @@ class Meeting:
     rank: int
     side: str
     offset: int
+    digest_key: bytes | None = None
+    """With a token: the key of this meeting's message digests (fresh per meeting)."""
 
 
 #: What an inference side may give instead of its layouts: a function of the trainer's
@@ -52,7 +57,8 @@ class _Refused:
 def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
          inference_size: int, layouts: Mapping[str, Layout] | LayoutsFromTrainer,
          backend: str = "gloo", allow_cast: bool = True,
-         timeout: timedelta = timedelta(minutes=5)) -> Meeting:
+         timeout: timedelta = timedelta(minutes=5), token: str | bytes | Key | None = None,
+         listen: str | None = None) -> Meeting:
     """Join the weight-update group and agree on a plan; collective over both jobs.
 
     ``layouts`` use this side's own rank numbers; the trainer's rank 0 hosts the store.
@@ -60,6 +66,11 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     the trainer's tensor names, shapes and dtypes at the meeting, before the group
     forms); if it raises a :class:`reshard.ReshardError`, every rank of both jobs raises
     the same error class with its message, and nothing moves.
+
+    ``token`` (else ``$RESHARD_TOKEN``): only ranks holding the same token meet, and
+    every message of the refits is checked with a key derived from it; ``listen``: the
+    address or interface the host's store listens at (default ``host``). See
+    ``docs/security.md``.
     """
     if side not in SIDES:
         raise PlanError(f"side must be one of {SIDES}, got {side!r}")
@@ -75,8 +86,11 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     offset = 0 if side == "trainer" else trainer_size
     rank = side_rank + offset
     world = trainer_size + inference_size
-    store = Comm.open_store(host, port, rank, world, timeout=timeout)
+    key = resolve_key(token)
+    store = Comm.open_store(host, port, rank, world, timeout=timeout, token=key,
+                            listen=listen)
     _agree_on_sizes(store, side, side_rank, (trainer_size, inference_size, backend), timeout)
+    digest_key = meeting_digest_key(store, key, rank == 0, timeout)
     trainer_layouts = None
     if side == "trainer":  # published before the group forms: a receiver may need them
         mine = _own_layouts(layouts, offset, None)
@@ -94,7 +108,18 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     views = comm.all_gather_object((rank, fingerprint, problem))
     _agree(views)
     assert the_plan is not None
-    return Meeting(comm, the_plan, rank, side, offset)
+    return Meeting(comm, the_plan, rank, side, offset, digest_key)
+
+
+def meeting_digest_key(store, key: Key | None, host: bool, timeout: timedelta) -> bytes | None:
+    """The key of this meeting's message digests: the token's, salted by a nonce the host
+    draws (so a message recorded at one meeting fails at the next)."""
+    if key is None:
+        return None
+    if host:
+        store.set("reshard/meeting/nonce", secrets.token_bytes(16))
+    store.wait(["reshard/meeting/nonce"], timeout)
+    return key.derive(b"digest|" + store.get("reshard/meeting/nonce"))
 
 
 def _read_layouts(store, side: str, timeout: timedelta) -> dict[str, Layout] | _Refused:
@@ -137,7 +162,14 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
     if side_rank == 0:
         store.set(f"reshard/setup/{side}", pickle.dumps(mine))
     keys = [f"reshard/setup/{s}" for s in SIDES]
-    store.wait(keys, timeout)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:  # the other job never came: say so if the gate refused it
+        refused = refusals(store)
+        if refused:
+            raise AuthError(f"the two jobs did not meet within {timeout.total_seconds():.0f}"
+                            f" s{refused}; nothing was moved") from e
+        raise
     said = dict(zip(SIDES, (pickle.loads(store.get(k)) for k in keys)))
     store.add("reshard/setup/read", 1)
     if said["trainer"] == said["inference"] == mine:

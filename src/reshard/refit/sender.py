@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors
@@ -26,17 +27,22 @@ class RefitSender(Side):
                  progress: bool | Callable[[int, int], None] = False,
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
-                 checksum: bool | str = False) -> None:
+                 checksum: bool | str | None = None, token: str | bytes | None = None,
+                 listen: str | None = None) -> None:
         """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
         bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
-        ends by one deadline); ``checksum`` (``True``/``"sum"`` or ``"crc32"``) checks
-        every message, on both sides alike."""
+        ends by one deadline); ``checksum`` (``True``/``"sum"``, ``"crc32"`` or
+        ``"hmac"``; by default ``"hmac"`` with a token, else off) checks every message,
+        on both sides alike. ``token`` (else ``$RESHARD_TOKEN``): only ranks holding the
+        same one meet; ``listen``: where rank 0's store listens (default ``host``); see
+        ``docs/security.md``."""
         self.params = params
         if layouts is None:
             _, layouts = layouts_of(params)
         meet_args = dict(side="trainer", side_rank=rank, trainer_size=trainer_size,
                          inference_size=inference_size, layouts=layouts, backend=backend,
-                         timeout=connect_timeout or timeout)
+                         timeout=connect_timeout or timeout, token=resolve_key(token),
+                         listen=listen)
         super().__init__(meet(host, port, **meet_args), policy=policy, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)

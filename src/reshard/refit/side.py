@@ -21,7 +21,8 @@ peer lost, a deadline passed) marks the group ``broken``: later refits refuse at
 until :meth:`reconnect` meets again at a new address (same or new inference size; a
 restarted worker joins with a fresh receiver) and rebuilds plans and executors while
 keeping the current version. ``checksum`` sends a digest of every message and fails the
-refit cleanly on corruption.
+refit cleanly on corruption; with a token (``docs/security.md``) it is on by default,
+keyed (``"hmac"``), so a message nobody with the token sent never goes live.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from reshard import planner
 from reshard.defaults import ALL_METHODS, COLOCATED
-from reshard.errors import ReshardError, TensorMismatchError, TransferError
+from reshard.errors import ConfigError, ReshardError, TensorMismatchError, TransferError
 from reshard.executor import Executor, checksum_kind, local_problem
 from reshard.layout import Layout
 from reshard.planner import Plan
@@ -91,9 +92,10 @@ class Side:
 
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
-                 refit_timeout: timedelta | None = None, checksum: bool | str = False,
+                 refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  meet_args: dict[str, Any] | None = None) -> None:
-        """``meet_args`` (as for :func:`meet`) are kept for :meth:`_remeet`."""
+        """``meet_args`` (as for :func:`meet`) are kept for :meth:`_remeet`. ``checksum``
+        None: ``"hmac"`` when the meeting has a token, else off."""
         if meet_args is not None:
             self._meet_args = meet_args
         self.version = 0
@@ -114,10 +116,10 @@ class Side:
         # one schedule has to respect every rank's cap) and on the checksum option (a
         # digest nobody reads would hang); they also learn the newest version any rank
         # committed (see _reconciled)
-        kind = checksum_kind(self.checksum)
+        kind = self._checksum_kind(meeting)
         problem = _policy_problem(meeting.plan, policy)
         unchecked = sorted({"gather_broadcast", COLOCATED} & set((policy or {}).values()))
-        if problem is None and kind and unchecked:
+        if problem is None and self.checksum and unchecked:
             problem = f"checksum does not cover the {' / '.join(unchecked)} policy"
         views: list[_SetupView] = self.comm.all_gather_object(_SetupView(
             meeting.side, tuple(sorted((policy or {}).items())), budget_bytes, kind,
@@ -140,14 +142,25 @@ class Side:
         self._reconciled(max(v.version for v in views))
         self.pending = None
 
+    def _checksum_kind(self, meeting: Meeting) -> str | None:
+        """The digest every message gets: as asked, else keyed when there is a token."""
+        if self.checksum is None:
+            return "hmac" if meeting.digest_key else None
+        kind = checksum_kind(self.checksum)
+        if kind == "hmac" and not meeting.digest_key:
+            raise ConfigError("checksum='hmac' needs a token (token= or $RESHARD_TOKEN) on "
+                              "both jobs; nothing was moved")
+        return kind
+
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         """One executor per policy method (``reshard`` for every tensor by default)."""
         progress = self._options[2]
+        kind = self._checksum_kind(meeting)
         executors = []
         for method, sub in _split_by_policy(meeting.plan, self.policy).items():
             ex = Executor(sub, self.comm, method=method, budget_bytes=self.budget_bytes,
                           checksum=False if method in ("gather_broadcast", COLOCATED)
-                          else self.checksum)
+                          else kind or False, digest_key=meeting.digest_key)
             if progress:
                 ex.progress = progress if callable(progress) else print_progress
             executors.append(ex)
