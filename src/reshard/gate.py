@@ -174,9 +174,13 @@ class Gate:
                 with suppress(OSError):
                     oldest.shutdown(socket.SHUT_RDWR)
 
-    def _settle(self, conn: socket.socket) -> None:
-        with self._lock, suppress(ValueError):
+    def _settle(self, conn: socket.socket) -> bool:
+        """Take ``conn`` off the pending list; False if it was evicted meanwhile."""
+        with self._lock:
+            if conn not in self._pending:
+                return False
             self._pending.remove(conn)
+            return True
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         try:
@@ -186,9 +190,8 @@ class Gate:
             verdict = "a connection that stalled past the handshake timeout"
         except OSError:  # ConnectionError too
             verdict = "a connection closed before the handshake ended"
-        finally:
-            self._settle(conn)
         if verdict is not None:
+            self._settle(conn)
             self._refuse(conn, f"{verdict} from {peer[0]}:{peer[1]}")
             return
         try:
@@ -197,7 +200,6 @@ class Gate:
         except OSError:
             conn.close()
             return
-        self.accepted += 1
         _join(conn, inner)
 
     def _handshake(self, conn: socket.socket) -> str | None:
@@ -211,6 +213,9 @@ class Gate:
         if not hmac.compare_digest(proof, self.key.mac(b"client", mine, theirs)):
             conn.sendall(b"\x00")
             return "a wrong token"
+        if not self._settle(conn):  # evicted by a flood: the client dials again
+            return "a connection evicted from the pending handshakes"
+        self.accepted += 1
         conn.sendall(b"\x01" + self.key.mac(b"gate", theirs, mine))
         return None
 
