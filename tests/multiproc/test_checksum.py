@@ -19,7 +19,8 @@ def _flip(k: int, peer: int, buf: torch.Tensor) -> None:
 
 
 def _job(rank, _world, port, checksum, scale=1):
-    side, tensors, layouts, r = make_side(rank, port, scale, checksum=checksum)
+    keyed = {"token": "checksum-test-token-0123"} if checksum == "hmac" else {}
+    side, tensors, layouts, r = make_side(rank, port, scale, checksum=checksum, **keyed)
     direct = 0
     log = []
     for version in (1, 2, 3):
@@ -40,8 +41,9 @@ def _job(rank, _world, port, checksum, scale=1):
     return log
 
 
-@pytest.mark.parametrize(("kind", "scale"), [("sum", 1), ("crc32", 1), ("sum", 8)],
-                         ids=["sum-packed", "crc32-packed", "sum-direct"])
+@pytest.mark.parametrize(("kind", "scale"),
+                         [("sum", 1), ("crc32", 1), ("sum", 8), ("hmac", 1)],
+                         ids=["sum-packed", "crc32-packed", "sum-direct", "hmac-packed"])
 def test_corrupted_message_fails_refit_on_every_rank(kind, scale):
     logs = run_processes(_job, 2 * T, free_port(), kind, scale, init=False, timeout=120)
     # scale 8: messages of 1 MiB and more travel unpacked, straight into the shadow

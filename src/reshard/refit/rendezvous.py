@@ -13,6 +13,7 @@ import pickle
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -166,6 +167,8 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
         store.wait(keys, timeout)
     except RuntimeError as e:  # the other job never came: say so if the gate refused it
         refused = refusals(store)
+        if side == "trainer":
+            _leave_together(store, side_rank, mine[0], timeout)
         if refused:
             raise AuthError(f"the two jobs did not meet within {timeout.total_seconds():.0f}"
                             f" s{refused}; nothing was moved") from e
@@ -188,6 +191,18 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
         parts.append(f"this rank ({side} rank {side_rank}) was given {text(mine)}")
     raise PlanError("the two jobs disagree on the group: " + "; ".join(parts)
                     + "; nothing was moved")
+
+
+def _leave_together(store, side_rank: int, trainer_size: int, timeout: timedelta) -> None:
+    """The trainer's ranks gave up waiting: the host keeps the store up (a few seconds
+    at most) until each has read why, then all leave."""
+    with suppress(Exception):
+        store.add("reshard/setup/gave_up", 1)
+        if side_rank == 0:
+            deadline = time.monotonic() + min(timeout.total_seconds(), 10.0)
+            while (store.add("reshard/setup/gave_up", 0) < trainer_size
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
 
 
 def _agree(views: list[tuple[int, str | None, tuple[str, str] | None]]) -> None:
