@@ -196,10 +196,21 @@ def expected_shard_bytes(cfg, rank: int, itemsize: int = 4) -> int:
     return n * itemsize
 
 
+TOKEN = "vllm-test-token-0123456789"  # the tests' meeting token (docs/security.md)
+
+
+def _job_env(token: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RESHARD_TOKEN"}
+    return env if token is None else {**env, "RESHARD_TOKEN": token}
+
+
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                fail_at: int = -1, path: str = "extension", staging: str = "shadow",
-               dtype: str = "float32", method: str = "reshard") -> tuple[list, list]:
-    """Trainer job vs the engine; per step: refit outcome, generation, checks input."""
+               dtype: str = "float32", method: str = "reshard",
+               token: str | None = None) -> tuple[list, list]:
+    """Trainer job vs the engine; per step: refit outcome, generation, checks input.
+    ``token``: the trainer job has it in ``$RESHARD_TOKEN``, the engine gets it in its
+    init (neither the engine nor its workers have it in their environment)."""
     llm, model_dir = engines.get(kind, dtype)
     ref_model = hf.load_model(model_dir, torch.float32).eval()
     shapes = hf.param_shapes(ref_model)
@@ -209,12 +220,13 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
         job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
                                 "--shard", shard, "--steps", str(steps),
                                 "--fail-at", str(fail_at), "--method", method],
-                               stdout=so, stderr=se)
+                               stdout=so, stderr=se, env=_job_env(token))
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
-                    "hf_tensors": shapes, "staging": staging}
+                    "hf_tensors": shapes, "staging": staging, "token": token}
             if path == "extension":  # as the README says: the names come from the trainer
-                infos = collective(llm, "reshard_init", "127.0.0.1", port, 2, staging=staging)
+                infos = collective(llm, "reshard_init", "127.0.0.1", port, 2, staging=staging,
+                                   token=token)
             else:
                 llm.init_weight_transfer_engine({"init_info": init})
                 infos = collective(llm, "reshard_info")
@@ -351,9 +363,11 @@ def test_tensor_parallel_trainer_refits_vllm_tp2(engines, tmp_path):
 
 
 def test_interrupted_refit_keeps_previous_version(engines, tmp_path):
-    """Through the ``reshard`` weight-transfer backend (init / start / update / finish)."""
+    """Through the ``reshard`` weight-transfer backend (init / start / update / finish),
+    with a token in its init info (docs/security.md): keyed digests on every message."""
     records, trainer = run_refits(engines, tmp_path, "qwen3", "fsdp", fail_at=2,
-                                  path="backend")
+                                  path="backend", token=TOKEN)
+    assert all(i["checksum"] == ["hmac"] for i in records[0]["info"]), records[0]["info"]
     check_good_refit(records[0], 1)
     failed = records[1]
     for res in failed["res"]:
@@ -408,8 +422,11 @@ def test_staging_none_failed_refit_is_stale_until_the_next(engines, tmp_path):
 def test_tied_embeddings_refit_and_match_a_fresh_engine(engines, tmp_path):
     """A model with tied word embeddings (vLLM's LM head shares ``embed_tokens``): the
     tensor is sent once, nothing is left unset, the LM head's own GEMM follows each
-    refit, and the engine answers bit for bit as a fresh engine of that step."""
-    records, trainer = run_refits(engines, tmp_path, "qwen3_tied", "fsdp", steps=2)
+    refit, and the engine answers bit for bit as a fresh engine of that step. With a
+    token (the worker extension's ``reshard_init(token=...)``): keyed digests."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3_tied", "fsdp", steps=2,
+                                  token=TOKEN)
+    assert all(i["checksum"] == ["hmac"] for i in records[0]["info"]), records[0]["info"]
     cfg = hf.load_model(engines.dirs["qwen3_tied"], torch.float32).config
     assert cfg.tie_word_embeddings
     for step, rec in enumerate(records, 1):

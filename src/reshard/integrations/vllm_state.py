@@ -142,7 +142,8 @@ class ReshardState:
                  inference_size: int, host: str, port: int, trainer_size: int,
                  staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
-                 timeout_s: float = 120.0, unchecked_family_ok: bool = False) -> None:
+                 timeout_s: float = 120.0, unchecked_family_ok: bool = False,
+                 token: str | None = None) -> None:
         from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
@@ -163,7 +164,8 @@ class ReshardState:
         self.rss_at_init = rss_bytes()
         common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
                       inference_size=inference_size, staging=staging,
-                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s),
+                      token=token)
         if hf_tensors is not None:  # told by the caller
             targets, layouts, direct = self._prepare(hf_tensors)
             self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
@@ -227,7 +229,8 @@ class ReshardState:
                 "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
                 "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
                 "commit_transient_bytes": self._commit_transient(),
-                "rss_extra": rss_bytes() - self.rss_at_init}
+                "rss_extra": rss_bytes() - self.rss_at_init,
+                "checksum": sorted({str(ex.checksum) for ex in self.receiver.executors})}
 
     def _commit_transient(self) -> int:
         """Bytes a commit holds beyond the buffers, at its peak, as vLLM 0.32 CPU's

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,22 +83,23 @@ class ReshardWorkerExtension:
                      inference_size: int | None = None, staging: str = "shadow",
                      budget_bytes: int = DEFAULT_BUDGET_BYTES,
                      hf_tensors: Mapping[str, Sequence[int]] | None = None,
-                     timeout_s: float = 120.0, unchecked_family_ok: bool = False
-                     ) -> dict[str, Any]:
+                     timeout_s: float = 120.0, unchecked_family_ok: bool = False,
+                     token: str | None = None) -> dict[str, Any]:
         """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
         learn its tensor names and shapes there, build the mapping, the logical buffers
         and the receiver; returns sizes. ``hf_tensors`` (HF name -> global shape) is
         only needed to map before the meeting; an unknown tensor on either side is a
         ``MappingError`` on every rank of both jobs, nothing moved; so is a model family
         whose refit was never checked end to end (``vllm_mapping.CHECKED_FAMILIES``)
-        unless ``unchecked_family_ok`` (or ``RESHARD_UNCHECKED_FAMILIES=1``)."""
+        unless ``unchecked_family_ok`` (or ``RESHARD_UNCHECKED_FAMILIES=1``). ``token``
+        (else the workers' ``$RESHARD_TOKEN``): the trainer's token (docs/security.md)."""
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
         self._reshard = ReshardState(
             self.model_runner.get_model(), self.vllm_config, rank=self.rank,
             inference_size=size, host=host, port=port, trainer_size=trainer_size,
             staging=staging, budget_bytes=budget_bytes, hf_tensors=hf_tensors,
-            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok)
+            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok, token=token)
         return self._reshard.info()
 
     @_reported
@@ -194,6 +195,8 @@ class ReshardInitInfo(WeightTransferInitInfo):
     #: refit a model family whose refit was never checked end to end (see
     #: ``reshard.integrations.vllm_mapping.check_family``)
     unchecked_family_ok: bool = False
+    #: the meeting's token (else the workers' ``$RESHARD_TOKEN``); never in the repr
+    token: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -225,7 +228,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             host=init_info.master_address, port=init_info.master_port,
             trainer_size=init_info.trainer_size, staging=init_info.staging,
             budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
-            timeout_s=init_info.timeout_s, unchecked_family_ok=init_info.unchecked_family_ok)
+            timeout_s=init_info.timeout_s, unchecked_family_ok=init_info.unchecked_family_ok,
+            token=init_info.token)
 
     def start_weight_update(self) -> None:
         self.received = None
