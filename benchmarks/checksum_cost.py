@@ -4,9 +4,10 @@
                                        [--inference 2]
 
 First the raw digest speed on one core (``sum``: wrapping int64 sums on the tensor's
-own device; ``crc32``: zlib on the host), then refits of a transformer-shaped state
-(fp32 trainer shards -> bf16 TP shards, ``benchmarks/soak.py``'s model) between local
-processes, the three modes interleaved refit by refit (so drift hits them alike); the
+own device; ``crc32``: zlib on the host; ``hmac``: keyed HMAC-SHA256, the default
+with a token), then refits of a transformer-shaped state (fp32 trainer shards -> bf16
+TP shards, ``benchmarks/soak.py``'s model) between local processes meeting with a
+token, the four modes interleaved refit by refit (so drift hits them alike); the
 median refit time of each and its cost over no checksum. Every refit is checked.
 """
 
@@ -28,18 +29,18 @@ from reshard.refit import RefitReceiver, RefitSender  # noqa: E402
 from reshard.tools.launch import free_port, run_processes  # noqa: E402
 from soak import crc, model  # noqa: E402
 
-MODES = (None, "sum", "crc32")
+MODES = (None, "sum", "crc32", "hmac")
 
 
 def digest_speed(mib: int = 64) -> dict[str, float]:
     torch.set_num_threads(1)
     buf = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8)
     out = {}
-    for kind in ("sum", "crc32"):
-        digest(buf, kind)
+    for kind in ("sum", "crc32", "hmac"):
+        digest(buf, kind, key=b"k" * 32)
         t0 = time.perf_counter()
         for _ in range(5):
-            digest(buf, kind)
+            digest(buf, kind, key=b"k" * 32)
         out[kind] = mib * 5 / 1024 / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(5):
@@ -52,7 +53,8 @@ def _rank(rank: int, world: int, port: int, a) -> dict:
     shapes, src, dst = model(a.trainer, a.inference, a.hidden)
     opts = dict(host="127.0.0.1", port=port, trainer_size=a.trainer,
                 inference_size=a.inference, timeout=timedelta(seconds=300),
-                checksum="sum")  # built with it; each refit below sets the mode it measures
+                checksum="sum",  # built with it; each refit below sets the mode it measures
+                token="checksum-cost-token-0123456789")  # the key of "hmac"
     trainer = rank < a.trainer
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}

@@ -6,11 +6,12 @@ NCCL over a TCP store), never through Ray's object store; Ray only carries the s
 address from the actor that hosts it (trainer rank 0) to the others::
 
     # trainer rank 0 (an actor), on its node:
-    addr = pick_store_address(loopback=single_node)    # -> StoreAddress(host, port)
+    addr = pick_store_address(loopback=single_node)    # -> (host, port, token)
     # the driver passes ``addr`` to every trainer actor and to the engine actor; each:
     use_gloo_interface(addr.host if single_node else node_address())
-    RefitSender(params, host=addr.host, port=addr.port, ...)         # trainer ranks
-    collective(llm, "reshard_init", addr.host, addr.port, n_trainer)  # engine actor
+    RefitSender(params, host=addr.host, port=addr.port, token=addr.token, ...)  # trainers
+    collective(llm, "reshard_init", addr.host, addr.port, n_trainer,
+               token=addr.token)                                              # engine actor
 
 Pass the host explicitly: the node address Ray reports (``ray.util.get_node_ip_address``)
 is the one other nodes reach, which need not be the loopback; on one node the loopback
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 from reshard.comm import free_port
 from reshard.errors import ConfigError
+from reshard.gate import TOKEN_ENV, new_token
 from reshard.store import ipv4_of
 
 __all__ = ["StoreAddress", "free_port", "init_local_cluster", "interface_of", "node_address",
@@ -44,10 +46,18 @@ OBJECT_STORE_BYTES = 128 << 20
 
 
 class StoreAddress(NamedTuple):
-    """Where the weight-update group meets: trainer rank 0's TCP store."""
+    """Where the weight-update group meets: trainer rank 0's TCP store, and the token
+    that lets a rank in (docs/security.md; it never shows in the repr). It travels to
+    the actors as their arguments do, over Ray's own connections: turn on Ray's TLS
+    where those cross an untrusted network."""
 
     host: str
     port: int
+    token: str | None = None
+
+    def __repr__(self) -> str:
+        hidden = "<hidden>" if self.token else None
+        return f"StoreAddress(host={self.host!r}, port={self.port}, token={hidden})"
 
 
 def node_address(*, loopback: bool = False) -> str:
@@ -60,11 +70,13 @@ def node_address(*, loopback: bool = False) -> str:
     return ray.util.get_node_ip_address()
 
 
-def pick_store_address(*, loopback: bool = False, host: str | None = None) -> StoreAddress:
+def pick_store_address(*, loopback: bool = False, host: str | None = None,
+                       token: str | None = None) -> StoreAddress:
     """Call in the actor that will host the store (trainer rank 0): its node's address
-    (``host`` if given, else :func:`node_address`) and a port free there."""
+    (``host`` if given, else :func:`node_address`), a port free there, and the token:
+    ``token``, else ``$RESHARD_TOKEN``, else a fresh one."""
     host = host or node_address(loopback=loopback)
-    return StoreAddress(host, free_port(host))
+    return StoreAddress(host, free_port(host), token or os.environ.get(TOKEN_ENV) or new_token())
 
 
 def interface_of(address: str) -> str:

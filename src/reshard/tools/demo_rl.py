@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 import threading
@@ -201,6 +202,7 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
 
     import torch
 
+    from reshard.gate import TOKEN_ENV, new_token
     from reshard.integrations import hf
     from reshard.integrations.vllm import collective
     from reshard.tools.launch import free_port, run_processes
@@ -219,12 +221,16 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
     ctx = mp.get_context("spawn")
     rollouts, results = [ctx.Queue() for _ in range(world)], ctx.Queue()
     port = free_port()
+    # the meeting's token: the trainer ranks find it in their environment, the engine
+    # gets it at reshard_init; fresh for this run unless $RESHARD_TOKEN gives one
+    token = os.environ.get(TOKEN_ENV) or new_token()
     trainer_error: list[BaseException] = []
 
     def run_trainer() -> None:
         try:
             run_processes(target, world, first, port, str(out_dir), args.steps, args.lr,
-                          rollouts, results, timeout=900, start_method="spawn")
+                          rollouts, results, timeout=900, start_method="spawn",
+                          env={TOKEN_ENV: token})
         except BaseException as e:  # reported after the loop
             trainer_error.append(e)
 
@@ -255,8 +261,10 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
         thread.start()
     ref = hf.load_model(model_dir, torch.float32).eval()
     t0 = time.perf_counter()
-    infos = collective(llm, "reshard_init", "127.0.0.1", port, world, timeout_s=300.0)
-    print(f"trainer ({what}) and vLLM met in {time.perf_counter() - t0:.1f} s; "
+    infos = collective(llm, "reshard_init", "127.0.0.1", port, world, timeout_s=300.0,
+                       token=token)
+    print(f"trainer ({what}) and vLLM met, with a token, in {time.perf_counter() - t0:.1f} s"
+          f" (every message checked: {infos[0]['checksum'][0]}); "
           f"each vLLM rank expects {[i['expected_bytes'] for i in infos]} B per refit "
           f"(the full model is {sum(p.numel() * 4 for p in ref.parameters())} B)")
     failures = 0

@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from reshard.gate import TOKEN_ENV, new_token
 from reshard.integrations.ray import (
     StoreAddress,
     init_local_cluster,
@@ -87,7 +88,7 @@ class TrainerRank:
         picked: list[StoreAddress] = []
         while len(picked) < count:
             addr = pick_store_address(loopback=self.single_node)
-            if addr not in picked:
+            if addr[:2] not in [p[:2] for p in picked]:  # (host, port); tokens differ
                 picked.append(addr)
         return picked
 
@@ -120,7 +121,7 @@ class TrainerRank:
             self.sender = RefitSender(
                 self.params, layouts=layouts, host=refit.host, port=refit.port, rank=self.rank,
                 trainer_size=self.world_size, inference_size=inference_size,
-                budget_bytes=REFIT_BUDGET, progress=self._progress,
+                budget_bytes=REFIT_BUDGET, progress=self._progress, token=refit.token,
                 timeout=timedelta(seconds=MEET_TIMEOUT_S),
                 refit_timeout=timedelta(seconds=REFIT_TIMEOUT_S))
         else:
@@ -196,7 +197,7 @@ class EngineActor:
     def connect(self, refit: StoreAddress, trainer_size: int) -> list[dict[str, Any]]:
         """Meet the trainer ranks at ``refit`` (a fresh weight-update group)."""
         return self._call("reshard_init", refit.host, refit.port, trainer_size,
-                          timeout_s=MEET_TIMEOUT_S)
+                          timeout_s=MEET_TIMEOUT_S, token=refit.token)
 
     def reconnect(self, refit: StoreAddress) -> list[dict[str, Any]]:
         """Meet them again at a new address after a lost trainer rank."""
@@ -290,6 +291,7 @@ class Loop:
         self.actors = [self._new_actor(r) for r in range(trainers)]
         self.ref: Any = None
         self.info: list[dict[str, Any]] = []
+        self.token = os.environ.get(TOKEN_ENV) or new_token()  # one meeting token a loop
 
     def _new_actor(self, rank: int) -> Any:
         actor = self.ray.remote(num_cpus=0)(TrainerRank)
@@ -301,7 +303,7 @@ class Loop:
     def _addresses(self) -> tuple[StoreAddress, StoreAddress]:
         """Two free addresses on trainer rank 0's node: its group's, the refit's."""
         world, refit = self._get(self.actors[0].store_addresses.remote(2))
-        return world, refit
+        return world, refit._replace(token=self.token)  # a rank that rejoins holds it too
 
     def start(self) -> list[dict[str, Any]]:
         """Form the trainer group and meet the engine (all at once: collective)."""
