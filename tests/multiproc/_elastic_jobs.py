@@ -81,7 +81,8 @@ def trainer(rank, _world, port, out, requests, rejoin):
             _write(path, log)
             continue
         entry = dict(sender.history[-1], seconds=time.perf_counter() - t0, ok=True,
-                     sent=stats.bytes_sent, plans_computed=sender.plans_computed)
+                     sent=stats.bytes_sent, plans_computed=sender.plans_computed,
+                     checksum=sender.side.executors[0].checksum)
         log.append(entry)
         _write(path, log)
     return log

@@ -41,7 +41,10 @@ def _wait_for(tmp: Path, name: str, version: int, procs, timeout: float = 120) -
         time.sleep(0.05)
 
 
-def test_replicas_join_and_leave_between_refits(tmp_path):
+def test_replicas_join_and_leave_between_refits(tmp_path, monkeypatch):
+    """Every job holds one token (docs/security.md): each epoch's group checks every
+    message with its own keyed digest."""
+    monkeypatch.setenv("RESHARD_TOKEN", "elastic-test-token-0123456789")
     port = free_port()
 
     def start(*args: str) -> subprocess.Popen:
@@ -68,6 +71,7 @@ def test_replicas_join_and_leave_between_refits(tmp_path):
                                                ["A", "B", "C"], ["A", "C"], ["A"], ["A"]]
     assert [h["epoch"] for h in history] == [1, 2, 3, 3, 4, 5, 5]
     assert [h["new_plans"] for h in history] == [1, 1, 1, 0, 0, 0, 0]
+    assert {h["checksum"] for h in history} == {"hmac"}
     other = _log(tmp_path, "trainer-1")  # every trainer rank saw and planned the same
     assert [(h["members"], h["epoch"], h["new_plans"]) for h in other] == [
         (h["members"], h["epoch"], h["new_plans"]) for h in history]
