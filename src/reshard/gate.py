@@ -126,28 +126,15 @@ def _join(a: socket.socket, b: socket.socket) -> None:
                          name="reshard-relay").start()
 
 
-class Gate:
-    """The public face of a store: authenticates each connection, then relays it to the
-    real store at ``inner`` (a loopback address only the host dials)."""
+class _Door:
+    """A listening socket served by one accept loop on a daemon thread."""
 
-    def __init__(self, listener: socket.socket, inner: tuple[str, int], key: Key, *,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
-                 max_pending: int = MAX_PENDING,
-                 on_refused: Callable[[str], None] | None = None) -> None:
-        self.listener, self.inner, self.key = listener, inner, key
-        self.handshake_timeout, self.max_pending = handshake_timeout, max_pending
-        self.on_refused = on_refused
-        self.refused = 0
-        self.accepted = 0
-        self._pending: deque[socket.socket] = deque()
-        self._lock = threading.Lock()
-        self._closed = False
+    listener: socket.socket
+    _closed = False
+
+    def _open(self, name: str) -> None:
         self.listener.settimeout(0.2)
-        threading.Thread(target=self._accept_loop, daemon=True, name="reshard-gate").start()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.listener.getsockname()[:2]
+        threading.Thread(target=self._accept_loop, daemon=True, name=name).start()
 
     def close(self) -> None:
         self._closed = True
@@ -162,9 +149,37 @@ class Gate:
                 continue
             except OSError:
                 return
-            self._admit(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="reshard-gate-handshake").start()
+            self._take(conn, peer)
+
+    def _take(self, conn: socket.socket, peer: tuple) -> None:
+        raise NotImplementedError
+
+
+class Gate(_Door):
+    """The public face of a store: authenticates each connection, then relays it to the
+    real store at ``inner`` (a loopback address only the host dials)."""
+
+    def __init__(self, listener: socket.socket, inner: tuple[str, int], key: Key, *,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 max_pending: int = MAX_PENDING,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        self.listener, self.inner, self.key = listener, inner, key
+        self.handshake_timeout, self.max_pending = handshake_timeout, max_pending
+        self.on_refused = on_refused
+        self.refused = 0
+        self.accepted = 0
+        self._pending: deque[socket.socket] = deque()
+        self._lock = threading.Lock()
+        self._open("reshard-gate")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.getsockname()[:2]
+
+    def _take(self, conn: socket.socket, peer: tuple) -> None:
+        self._admit(conn)
+        threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                         name="reshard-gate-handshake").start()
 
     def _admit(self, conn: socket.socket) -> None:
         with self._lock:
@@ -256,7 +271,7 @@ def is_gate(host: str, port: int, wait: float = PROBE_S) -> bool:
         return False
 
 
-class Relay:
+class Relay(_Door):
     """A rank's local door to a gated store: its store client connects to
     ``127.0.0.1:port``; each connection (from this process only, on Linux) is carried
     over a fresh authenticated connection to the gate."""
@@ -267,19 +282,12 @@ class Relay:
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
-        self.listener.settimeout(0.2)
         self._ready = [self._dial()]  # authenticate now: a refused token fails here
-        self._closed = False
-        threading.Thread(target=self._accept_loop, daemon=True, name="reshard-relay").start()
+        self._open("reshard-relay")
 
     @property
     def port(self) -> int:
         return self.listener.getsockname()[1]
-
-    def close(self) -> None:
-        self._closed = True
-        with suppress(OSError):
-            self.listener.close()
 
     def _dial(self) -> socket.socket:
         """A connection to the gate that passed the handshake. A gate not up yet is
@@ -313,23 +321,16 @@ class Relay:
                 sock.close()
                 raise
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not _from_this_process(peer, self.listener.getsockname()):
-                conn.close()
-                continue
-            try:
-                tunnel = self._ready.pop() if self._ready else self._dial()
-            except Exception:
-                conn.close()
-                continue
-            _join(conn, tunnel)
+    def _take(self, conn: socket.socket, peer: tuple) -> None:
+        if not _from_this_process(peer, self.listener.getsockname()):
+            conn.close()
+            return
+        try:
+            tunnel = self._ready.pop() if self._ready else self._dial()
+        except Exception:
+            conn.close()
+            return
+        _join(conn, tunnel)
 
 
 def _from_this_process(peer: tuple, local: tuple) -> bool:
