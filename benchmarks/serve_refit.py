@@ -57,8 +57,11 @@ def trainer(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.dist_port))
     dist.init_process_group("gloo", rank=a.trainer, world_size=2)
-    model = hf.load_model(a.model_dir, torch.float32)
-    hf.shard_fsdp2(model)
+    for turn in range(2):  # one rank at a time holds the whole float32 model, then its shard
+        if turn == a.trainer:
+            model = hf.load_model(a.model_dir, torch.float32)
+            hf.shard_fsdp2(model)
+        dist.barrier()
     info = ReshardTrainerInitInfo("127.0.0.1", a.meet_port, trainer_size=2, inference_size=2,
                                   rank=a.trainer, timeout_s=600)
     engine = WeightTransferTrainerFactory.trainer_init(
