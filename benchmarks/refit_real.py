@@ -37,6 +37,7 @@ method's own check reloads through gather-and-broadcast's ``load_weights``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -286,6 +287,9 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
             stats = sender.refit(args[0])
             out.update(sent=stats.bytes_sent, transfer_seconds=stats.seconds,
                        staging=stats.peak_staging_bytes)
+        elif cmd == "reshard_profile":
+            from refit_real_engine import profiled
+            out["profile"] = profiled(functools.partial(sender.refit, args[0]), 30)
         elif cmd == "floor":
             floor = floor or floor_runner(sender.meeting.plan, sender.comm)
             floor()
@@ -410,7 +414,7 @@ class Run:
         self.llm = start_engine(self.kind, self.cfg, work)
         print(f"[{name}] vLLM engine (TP2, bf16) up in {time.perf_counter() - t0:.1f} s",
               flush=True)
-        self.version = 0
+        self.version, self.profile = 0, False
         self.result: dict[str, Any] = {"model": name, "params": self.params, "methods": {}}
 
     def collective(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -455,6 +459,11 @@ class Run:
             return {"engine": engine, "trainer": self.trainer.wait("reshard")}
 
         seconds, details = self.timed(refit)
+        if self.profile:
+            self.version += 1
+            self.trainer.send("reshard_profile", self.version)
+            print(self.collective("bench_profile_refit")[0])
+            print(self.trainer.wait("reshard_profile")[0]["profile"], flush=True)
         out = {"seconds": seconds, "init_seconds": init_s,
                "bytes_received": [r["bytes_received"] for r in details[-1]["engine"]],
                "expected_bytes": [i["expected_bytes"] for i in infos],
@@ -665,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/refit_real"))
     ap.add_argument("--plot", type=Path, help="only plot this results.json (with --png)")
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one reshard refit on trainer rank 0 and engine rank 0")
     a = ap.parse_args(argv)
     if a.plot:
         results = json.loads(a.plot.read_text())["results"]
@@ -687,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     results, watch = [], MemoryWatch()
     for name in a.models.split(","):
         run = Run(name, a.repeats, a.out / name, watch)
+        run.profile = a.profile
         try:
             results.append(run.run(a.methods.split(",")))
         finally:

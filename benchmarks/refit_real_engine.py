@@ -60,6 +60,19 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def profiled(fn: Any, top: int = 30) -> str:
+    """``fn()`` under cProfile: the ``top`` functions by cumulative time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 class BenchExtension(ReshardWorkerExtension):
     """ReshardWorkerExtension plus the benchmark's other methods and checks."""
 
@@ -128,6 +141,10 @@ class BenchExtension(ReshardWorkerExtension):
         self.reload_weights(weights_iterator=safetensors_weights_iterator(files, False))
         return {"seconds": time.perf_counter() - t0,
                 "bytes_received": sum(Path(f).stat().st_size for f in files)}
+
+    def bench_profile_refit(self, top: int = 30) -> str:
+        """One reshard refit under cProfile: the top functions by cumulative time."""
+        return profiled(self._reshard_state().refit, top)
 
     # -- the floor -----------------------------------------------------------------------
     def bench_floor(self) -> dict[str, Any]:
