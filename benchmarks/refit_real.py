@@ -98,6 +98,34 @@ VLLM_BACKENDS = {
 }
 
 
+#: vLLM's default packed bucket (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``)
+BUCKET_BYTES = GiB
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def packed_buckets(meta: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``meta`` (name, shape, dtype) per packed bucket, cut as vLLM's
+    ``pack_tensors`` cuts them: a bucket closes after the tensor that takes it past
+    ``bucket_bytes``."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, (_, shape, dtype) in enumerate(meta):
+        cur.append(i)
+        size += nbytes(shape, dtype)
+        if size > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def nbytes(shape: list[int], dtype: str) -> int:
+    n = ITEMSIZE[dtype]
+    for s in shape:
+        n *= s
+    return n
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -494,8 +522,6 @@ class Run:
         return {"seconds": seconds[1:], "inner_seconds": max(r["seconds"] for r in inner)}
 
     def gather_broadcast(self, before: list[dict]) -> dict[str, Any]:
-        from refit_real_engine import BUCKET_BYTES
-
         port = self.free_port()
         self.trainer.send("gb_init", port, 2)
         self.collective("bench_gb_init", "127.0.0.1", port, self.meta, BUCKET_BYTES)
@@ -547,8 +573,6 @@ class Run:
             self.collective("bench_disk_reload", str(directory))
             shutil.rmtree(directory, ignore_errors=True)
         else:
-            from refit_real_engine import BUCKET_BYTES
-
             port = self.free_port()
             self.trainer.send("gb_init", port, 2)
             self.collective("bench_gb_init", "127.0.0.1", port, self.meta, BUCKET_BYTES)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from refit_real import nbytes, packed_buckets
 from reshard.integrations.vllm import ReshardWorkerExtension
 from reshard.integrations.vllm_internals import (
     has_own_lm_head,
@@ -31,29 +32,6 @@ from reshard.integrations.vllm_internals import (
     return_freed_memory,
     rss_bytes,
 )
-
-#: vLLM's default packed bucket (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``, 1 GiB)
-BUCKET_BYTES = 1 << 30
-
-
-def buckets(meta: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``meta`` per packed bucket, cut as vLLM's ``pack_tensors`` cuts them: a
-    bucket closes after the tensor that takes it past ``bucket_bytes``."""
-    out, cur, size = [], [], 0
-    for i, (_, shape, dtype) in enumerate(meta):
-        cur.append(i)
-        size += _nbytes(shape, dtype)
-        if size > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    return out + ([cur] if cur else [])
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    n = getattr(torch, dtype).itemsize
-    for s in shape:
-        n *= s
-    return n
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -86,14 +64,13 @@ class BenchExtension(ReshardWorkerExtension):
         return rss_bytes("VmHWM") - self._bench_rss0
 
     # -- gather-and-broadcast ------------------------------------------------------------
-    def bench_gb_init(self, host: str, port: int, meta: list, bucket_bytes: int = BUCKET_BYTES
-                      ) -> int:
+    def bench_gb_init(self, host: str, port: int, meta: list, bucket_bytes: int) -> int:
         from reshard.comm import Comm
 
         world = 1 + self.vllm_config.parallel_config.world_size
         self._gb = Comm.from_store(host, port, 1 + self.rank, world)
         self._gb_meta = [(n, list(s), d) for n, s, d in meta]
-        self._gb_buckets = buckets(self._gb_meta, bucket_bytes)
+        self._gb_buckets = packed_buckets(self._gb_meta, bucket_bytes)
         return len(self._gb_buckets)
 
     def bench_gb_refit(self) -> dict[str, Any]:
@@ -111,7 +88,7 @@ class BenchExtension(ReshardWorkerExtension):
             initialize_layerwise_reload(model)
             for idx in self._gb_buckets:
                 names, shapes, dtypes = zip(*(self._gb_meta[i] for i in idx))
-                sizes = [_nbytes(s, d) for s, d in zip(shapes, dtypes)]
+                sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
                 packed = torch.empty(sum(sizes), dtype=torch.uint8)
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
