@@ -67,8 +67,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=32768, rms_norm_eps=1e-6)),
     # Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads of 128, 4 kv heads, experts of
-    # 768, top-8, vocabulary 151936 untied), 8 layers of 16 experts: 1.2B parameters
-    "qwen3-moe-1.2b": ("qwen3_moe", dict(
+    # 768, top-8, vocabulary 151936 untied), 8 layers of 16 experts: 1.38B parameters
+    "qwen3-moe-1.4b": ("qwen3_moe", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=16, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
@@ -128,6 +128,32 @@ def nbytes(shape: list[int], dtype: str) -> int:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def count_params(kind: str, cfg: dict[str, Any]) -> int:
+    """Parameters of the model (built on the meta device; tied tensors once)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **cfg))
+    return sum(p.numel() for p in model.parameters())
+
+
+def expected_peak_bytes(params: int) -> int:
+    """This run's resident memory at its peak, as measured at Qwen3-0.6B (about 11 GB):
+    fp32 trainer shards (4 B a parameter), the engine's bf16 weights and reshard's
+    buffers of the same size (2 + 2 B), and about 6 GiB of processes (2 trainer ranks,
+    the driver, vLLM's engine core and 2 workers)."""
+    return 8 * params + 6 * GiB
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def load_avg() -> str:
@@ -691,13 +717,15 @@ def _seconds(r: dict, method: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b,qwen2.5-1.5b,qwen3-moe-1.2b",
+    ap.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b,qwen2.5-1.5b,qwen3-moe-1.4b",
                     help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3, help="timed refits per method (median)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/refit_real"))
     ap.add_argument("--plot", type=Path, help="only plot this results.json (with --png)")
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--margin-gib", type=float, default=2.0,
+                    help="skip a model unless its expected peak plus this fits in memory")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one reshard refit on trainer rank 0 and engine rank 0")
     a = ap.parse_args(argv)
@@ -721,6 +749,12 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(sys.argv), "vllm_backends": VLLM_BACKENDS}
     results, watch = [], MemoryWatch()
     for name in a.models.split(","):
+        need, free = expected_peak_bytes(count_params(*MODELS[name])), available_bytes()
+        if need + a.margin_gib * GiB > free:
+            print(f"[{name}] skipped: it needs about {need / GiB:.1f} GiB and "
+                  f"{free / GiB:.1f} GiB is available (margin {a.margin_gib} GiB)")
+            header.setdefault("skipped", {})[name] = {"need": need, "available": free}
+            continue
         run = Run(name, a.repeats, a.out / name, watch)
         run.profile = a.profile
         try:
