@@ -270,8 +270,8 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
     whole (an embedding, a bias) is overwritten in place; one it packed away (left empty)
     is lent the logical tensor, which the processing packs (a oneDNN or small-GEMM copy
     of its own) and drops; then the module's own parameters are put back, as layerwise
-    reload's ``_copy_and_restore_kernel_tensors`` does. The old packed copy is freed as
-    the new one replaces it, so a commit holds one extra module at a time."""
+    reload's ``_copy_and_restore_kernel_tensors`` does. The old packed copy is freed
+    before the new one is made, so a commit holds no second copy of anything."""
     kernel = {k: p for k, p in module._parameters.items() if p is not None}
     for attr, tensor in logical.items():
         live = kernel[attr]
@@ -279,6 +279,9 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
             live.data.copy_(tensor.view(live.shape))
         else:
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    # the old packed copy goes first (its closure holds it): a commit then holds no
+    # second copy of any module (the engine does not run between the two)
+    module.__dict__.pop("cpu_linear", None)
     module.quant_method.process_weights_after_loading(module)
     for attr, live in kernel.items():
         now = module._parameters.get(attr)

@@ -26,10 +26,10 @@ How a refit lands on one rank:
 3. Commit of the buffered parameters. vLLM CPU's packed GEMMs (unquantized linear
    layers and LM heads: most of the bytes) are processed in place: each module is lent
    its buffer and reruns vLLM's own ``process_weights_after_loading`` (the GEMM
-   packing), then gets its own parameters back, one module at a time
-   (``vllm_internals.process_in_place``); an embedding beside an LM head of its own is
-   written in place and its packed GEMM copy, which nothing reads, is not remade. The
-   rest goes through vLLM's layerwise reload:
+   packing; the old packed copy is dropped first), then gets its own parameters back,
+   one module at a time (``vllm_internals.process_in_place``); an embedding beside an
+   LM head of its own is written in place and its packed GEMM copy, which nothing
+   reads, is not remade. The rest goes through vLLM's layerwise reload:
    ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
    meta device); each logical buffer is copied whole into its parameter through the
    layer's deferred loader; when a layer is complete vLLM materializes it, reruns
@@ -270,7 +270,7 @@ class ReshardState:
 
         * a repacked linear (GEMM) committed through layerwise reload keeps its old
           packed kernel until the reload ends, so every such buffer is held twice; one
-          processed in place (:attr:`direct`) frees it as the new one replaces it;
+          processed in place (:attr:`direct`) frees it before the new one is made;
         * MoE experts lose their old prepacked copy when the commit resets the expert
           kernel (:func:`reset_moe_kernels`), and each expert module, when reloaded,
           holds its materialized weights and the new prepacked copy at once;
@@ -281,7 +281,9 @@ class ReshardState:
             mname, n = self.where[name][0], buf.numel() * buf.element_size()
             module = self.model.get_submodule(mname) if mname else self.model
             experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
-            kept += 0 if experts or mname in self.direct else n
+            if mname in self.direct:
+                continue
+            kept += 0 if experts else n
             per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
         return kept + max(per_module.values(), default=0)
 
