@@ -23,7 +23,13 @@ How a refit lands on one rank:
    targets through a shadow of just those targets with ``staging="shadow"``, straight
    into the live weights with ``staging="none"``; it returns only once every rank of
    both jobs has its part, and then copies the shadow over the live weights.
-3. Commit of the buffered parameters, through vLLM's layerwise reload:
+3. Commit of the buffered parameters. vLLM CPU's packed GEMMs (unquantized linear
+   layers and LM heads: most of the bytes) are processed in place: each module is lent
+   its buffer and reruns vLLM's own ``process_weights_after_loading`` (the GEMM
+   packing; the old packed copy is dropped first), then gets its own parameters back,
+   one module at a time (``vllm_internals.process_in_place``); an embedding beside an
+   LM head of its own is written in place and its packed GEMM copy, which nothing
+   reads, is not remade. The rest goes through vLLM's layerwise reload:
    ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
    meta device); each logical buffer is copied whole into its parameter through the
    layer's deferred loader; when a layer is complete vLLM materializes it, reruns
@@ -68,9 +74,13 @@ from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ReshardError
 from reshard.integrations.vllm_internals import (
     derived_buffers,
+    direct_modules,
+    has_own_lm_head,
     kept_live,
     logical_params,
     packed_gemm_mismatches,
+    params_held,
+    process_in_place,
     quiet_reload,
     refuse_unreloadable,
     reset_moe_kernels,
@@ -223,11 +233,35 @@ class ReshardState:
         self.live = {n: self._param(n).data for n in sorted(self.live_names)}
         self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
                         if n not in self.live_names}
+        self.direct = self._direct_modules()
         self.expected_bytes = self.mapping.shard_bytes(self.rank)
         slots = self.mapping.slots(self.rank)
         targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
         return targets, self.mapping.layouts, [h for h, s in slots.items()
                                                 if s.param in self.buffers]
+
+    def _direct_modules(self) -> dict[str, list[str]]:
+        """Module -> its buffered parameters, for the modules a commit processes in place
+        (``vllm_internals.direct_modules``: vLLM CPU's packed GEMMs); a tied tensor only
+        where every module holding it keeps it whole (an embedding and its LM head)."""
+        derived = {n for _, n in self.derived}
+        tied_packed = {n for n in self.aliases if any(
+            getattr(self.model.get_submodule(m) if m else self.model, a).numel() == 0
+            for m, a in [self.where[n][:2], *self.aliases[n]])}
+        excluded = set(self.mapping.converts) | derived | tied_packed
+        out = direct_modules(self.model, self.where, list(self.buffers), excluded)
+        for name, holders in self.aliases.items():  # the other holders go with the owner
+            mname = self.where[name][0]
+            if mname in out and not all(self._packs_only(m, a) for m, a in holders):
+                del out[mname]
+        return out
+
+    def _packs_only(self, mname: str, attr: str) -> bool:
+        module = self.model.get_submodule(mname) if mname else self.model
+        shape = tuple(getattr(module, attr).shape)
+        return attr == "weight" and params_held(module) == {"weight"} and bool(
+            direct_modules(self.model, {f"{mname}.{attr}": (mname, attr, shape, None)},
+                           [f"{mname}.{attr}"]))
 
     def _param(self, name: str) -> torch.Tensor:
         mname, attr, _, _ = self.where[name]
@@ -259,8 +293,9 @@ class ReshardState:
         layerwise reload behaves (traced per reloaded parameter with ``VmRSS``, see
         ``benchmarks/engine_memory.py``):
 
-        * a repacked linear (GEMM) keeps its old packed kernel until the reload ends, so
-          every such buffer is held twice;
+        * a repacked linear (GEMM) committed through layerwise reload keeps its old
+          packed kernel until the reload ends, so every such buffer is held twice; one
+          processed in place (:attr:`direct`) frees it before the new one is made;
         * MoE experts lose their old prepacked copy when the commit resets the expert
           kernel (:func:`reset_moe_kernels`), and each expert module, when reloaded,
           holds its materialized weights and the new prepacked copy at once;
@@ -271,6 +306,8 @@ class ReshardState:
             mname, n = self.where[name][0], buf.numel() * buf.element_size()
             module = self.model.get_submodule(mname) if mname else self.model
             experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
+            if mname in self.direct:
+                continue
             kept += 0 if experts else n
             per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
         return kept + max(per_module.values(), default=0)
@@ -316,20 +353,52 @@ class ReshardState:
 
     @torch.no_grad()
     def commit(self) -> float:
-        """Copy the logical buffers into the live model through vLLM's layerwise reload."""
-        import vllm.model_executor.model_loader.reload.layerwise as lw
+        """Make the logical buffers live: vLLM CPU's packed GEMMs (linear layers, LM
+        heads) processed in place (:meth:`_commit_direct`), everything else through
+        vLLM's layerwise reload (:meth:`_commit_reload`)."""
         from vllm.config import set_current_vllm_config
 
         t0 = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self._commit_direct()
+            self._commit_reload({n: b for n, b in self.buffers.items()
+                                 if self.where[n][0] not in self.direct})
+        return self._committed(t0)
+
+    def _commit_direct(self) -> None:
+        """Each module of :attr:`direct` gets its buffers and reruns vLLM's processing
+        after loading (``vllm_internals.process_in_place``); the other holders of a tied
+        tensor are processed with it, except an embedding beside an LM head of its own,
+        whose packed GEMM copy nothing reads (the embedding lookup reads its weight)."""
+        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
+        for mname, names in self.direct.items():
+            module = self.model.get_submodule(mname) if mname else self.model
+            logical = {self.where[n][1]: self.buffers[n] for n in names}
+            if type(module).__name__ in unread:
+                for attr, tensor in logical.items():  # read as loaded: in place is all
+                    getattr(module, attr).data.copy_(tensor)
+            else:
+                process_in_place(module, logical)
+            for name in names:
+                for alias, _ in self.aliases.get(name, []):
+                    holder = self.model.get_submodule(alias)
+                    if type(holder).__name__ not in unread:
+                        process_in_place(holder, {})  # its weight is the one just written
+
+    def _commit_reload(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Copy ``buffers`` into the live model through vLLM's layerwise reload."""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+
+        if not buffers:
+            return
         model = self.model
-        if not self.buffers:  # every parameter was written in place
-            return self._committed(t0)
         saved = snapshot_loaders(model.parameters())
-        with set_current_vllm_config(self.vllm_config), quiet_reload(model, self.live_names):
+        kept = self.live_names | {n for n in self.buffers if n not in buffers}
+        with quiet_reload(model, kept):
             reset_moe_kernels(model)
             lw.initialize_layerwise_reload(model)
             try:
-                for name, buf in self.buffers.items():
+                for name, buf in buffers.items():
                     # a tied tensor is loaded into every module holding it, so that each
                     # reprocesses its own copy (the LM head's GEMM)
                     for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
@@ -346,9 +415,8 @@ class ReshardState:
                 lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
                 restore_loaders(saved)
             for buffer, name in self.derived:  # views a reload leaves on the old storage
-                if name in self.buffers:
-                    buffer.copy_(self.buffers[name].view(buffer.shape))
-        return self._committed(t0)
+                if name in buffers:
+                    buffer.copy_(buffers[name].view(buffer.shape))
 
     def _committed(self, t0: float) -> float:
         return_freed_memory()
