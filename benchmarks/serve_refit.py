@@ -84,6 +84,11 @@ def trainer(a: argparse.Namespace) -> None:
         t0 = time.monotonic()
         figures = engine.send_weights(step, overlap=order["overlap"])
         figures.update(start=t0, end=time.monotonic())
+        if order.get("save"):  # the reference the server's weights are checked against
+            full = hf.full_state_dict(model)
+            if a.trainer == 0:
+                torch.save(full, out / "last.pt")
+            del full
         if a.trainer == 0:
             (out / f".refit{step}").write_text(json.dumps(figures))
             os.replace(out / f".refit{step}", out / f"refit{step}.json")
@@ -187,13 +192,24 @@ def run(a: argparse.Namespace) -> dict:
                     step += 1
                     (out / f"go{step}").write_text(json.dumps(
                         {"overlap": mode == "overlapped"}))
-                    refits.append(json.loads(_wait(out / f"refit{step}.json", procs)
-                                             .read_text()))
+                    refit = json.loads(_wait(out / f"refit{step}.json", procs).read_text())
+                    refit["engine"] = server.rpc("reshard_last")  # each rank's own figures
+                    refits.append(refit)
                 time.sleep(a.interval / 2)
                 t1 = time.monotonic()
                 load.stop()
                 results["modes"][mode] = _measure(load, refits, t0, t1)
                 print(f"{mode}: {json.dumps(results['modes'][mode]['summary'])}", flush=True)
+            # the last version's weights on every server rank, against vLLM's own loader
+            # fed the trainer's full state dict (logical tensors and packed GEMMs)
+            step += 1
+            (out / f"go{step}").write_text(json.dumps({"overlap": True, "save": True}))
+            _wait(out / f"refit{step}.json", procs)
+            verify = server.rpc("reshard_verify", str(out / "last.pt"))
+            results["verify"] = [{k: v[k] for k in ("checked", "mismatched", "live_mismatched")}
+                                 for v in verify]
+            print(f"weights after the last refit vs vLLM's loader: {results['verify']}")
+            results["engine_ranks"] = server.rpc("reshard_last")
             (out / f"go{step + 1}").write_text(json.dumps({"stop": True}))
             for p in procs:
                 p.wait(120)
@@ -217,30 +233,40 @@ def _measure(load: Load, refits: list[dict], t0: float, t1: float) -> dict:
     per = []
     for r in refits:
         w0, w1 = r["start"], r["end"]
+        ranks = r["engine"]
         per.append({"version": r["version"], "pause_s": r["pause_seconds"],
                     "transfer_s": r["transfer_seconds"], "refit_s": w1 - w0,
+                    "engine_receive_s": max(x["receive_seconds"] for x in ranks),
+                    "engine_prepare_s": max(x.get("prepare_seconds", 0.0) for x in ranks),
+                    "engine_swap_s": max(x["swap_seconds"] for x in ranks),
+                    "forwards_during_receive": min(x["forwards_during_receive"] for x in ranks),
+                    "same_swap_step": len({x["swap_forward"] for x in ranks}) == 1,
                     "longest_gap_s": load.longest_gap(w0, w1),
                     "window_tokens_per_s": load.tokens_between(w0, w1) / (w1 - w0)})
     summary = {"tokens_per_s": load.tokens_between(t0, t1) / (t1 - t0),
                "longest_gap_s": max([p["longest_gap_s"] for p in per],
                                     default=load.longest_gap(t0, t1))}
     if per:
-        for key in ("pause_s", "transfer_s", "refit_s", "window_tokens_per_s"):
+        for key in ("pause_s", "transfer_s", "refit_s", "window_tokens_per_s",
+                    "engine_receive_s", "engine_prepare_s", "engine_swap_s"):
             summary[key] = statistics.median(p[key] for p in per)
     return {"refits": per, "summary": summary}
 
 
 def table(results: dict) -> str:
     modes = results["modes"]
-    rows = ["| mode | pause (s) | refit (s) | transfer (s) | longest token gap (s) | "
-            "tokens/s in refit window (vs none) |", "|---|---|---|---|---|---|"]
+    rows = ["| mode | pause (s) | refit (s) | transfer (s) | engine: receive / prepare / "
+            "swap (s) | longest token gap (s) | tokens/s in refit window (vs none) |",
+            "|---|---|---|---|---|---|---|"]
     none = modes["none"]["summary"]
-    rows.append(f"| (a) no refit | - | - | - | {none['longest_gap_s']:.3f} | "
+    rows.append(f"| (a) no refit | - | - | - | - | {none['longest_gap_s']:.3f} | "
                 f"{none['tokens_per_s']:.1f} (1.00) |")
     for label, m in (("(b) stop-the-world", "stop-the-world"), ("(c) overlapped", "overlapped")):
         s = modes[m]["summary"]
         rows.append(f"| {label} | {s['pause_s']:.3f} | {s['refit_s']:.3f} | "
-                    f"{s['transfer_s']:.3f} | {s['longest_gap_s']:.3f} | "
+                    f"{s['transfer_s']:.3f} | {s['engine_receive_s']:.3f} / "
+                    f"{s['engine_prepare_s']:.3f} / {s['engine_swap_s']:.3f} | "
+                    f"{s['longest_gap_s']:.3f} | "
                     f"{s['window_tokens_per_s']:.1f} ({s['window_vs_none']:.2f}) |")
     rows.append(f"\npause (c) / (b): {results['pause_ratio']:.3f}; longest gap (c) / (b): "
                 f"{results['gap_ratio']:.3f} (medians over {len(modes['overlapped']['refits'])} "

@@ -23,7 +23,8 @@ __all__ = [
     "derived_buffers", "direct_modules", "has_own_lm_head", "kept_live", "logical_params",
     "packed_gemm_mismatches", "params_held", "process_in_place", "quiet_reload",
     "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss", "restore_loaders",
-    "return_freed_memory", "rss_bytes", "snapshot_loaders", "tied_aliases",
+    "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in", "take_over",
+    "tied_aliases",
 ]
 
 
@@ -292,6 +293,37 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
                                    f"{live.numel()}")
             live.data.copy_(now)
         module._parameters[attr] = live
+
+
+def stand_in(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` that :func:`process_in_place` may process while the engine
+    runs the module itself: its own attribute, parameter and buffer dicts (so a packed
+    copy or a parameter vLLM sets lands on the copy alone) and its own clone of every
+    parameter vLLM keeps whole (a bias, an LM head's weight); the packed-away (empty)
+    ones and everything else shared, read only."""
+    import copy
+
+    other = copy.copy(module)
+    other._parameters = {k: p if p is None or not p.numel() else
+                         torch.nn.Parameter(p.data.clone(), requires_grad=False)
+                         for k, p in module._parameters.items()}
+    other._buffers = dict(module._buffers)
+    return other
+
+
+def take_over(module: torch.nn.Module, processed: torch.nn.Module) -> None:
+    """Make what :func:`process_in_place` made on a :func:`stand_in` of ``module`` live
+    in ``module``: the attributes it set (the packed GEMM closure, ``cpu_linear``) by
+    reference, the parameters vLLM keeps whole by copy into their storage (any view of
+    them, and vLLM's metadata, stay valid)."""
+    internal = ("_parameters", "_buffers", "_modules")
+    for key, value in processed.__dict__.items():
+        if key not in internal and module.__dict__.get(key) is not value:
+            module.__dict__[key] = value
+    for attr, p in processed._parameters.items():
+        live = module._parameters.get(attr)
+        if p is not None and p.numel() and live is not None and live is not p:
+            live.data.copy_(p.data)
 
 
 def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch.Tensor],

@@ -89,6 +89,8 @@ from reshard.integrations.vllm_internals import (
     return_freed_memory,
     rss_bytes,
     snapshot_loaders,
+    stand_in,
+    take_over,
     tied_aliases,
 )
 from reshard.integrations.vllm_mapping import (
@@ -202,6 +204,7 @@ class ReshardState:
         # so every TP rank can be shown to swap between the same two forward passes
         self.forwards = 0
         self._counting = model.register_forward_pre_hook(self._count_forward)
+        self.prepared: dict[str, torch.nn.Module] = {}  # module -> its stand-in (prepare)
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self.forwards += 1
@@ -326,6 +329,7 @@ class ReshardState:
         self.measured_peak = reset_peak_rss()  # this refit's own peak
         rss_start = rss_bytes() - self.rss_at_init
         forward_at_start = self.forwards
+        self.prepared = {}  # made for a version that never went live: gone
         try:
             stats = self.receiver.refit(go_live=go_live)
         except Exception as e:
@@ -344,12 +348,40 @@ class ReshardState:
                      "forwards_during_receive": self.forwards - forward_at_start}
         return self.last
 
+    @torch.no_grad()
+    def prepare(self) -> float:
+        """After ``receive(go_live=False)``, beside the serving engine (the background
+        thread of an overlapped refit): run vLLM's processing of the packed GEMMs
+        (:attr:`direct`) on stand-ins of their modules -- copies that share nothing
+        the engine reads -- so that :meth:`swap` only hands each module its new packed
+        copy. Costs, until the swap, one more packed copy of those modules (about what
+        the rank received of them). Returns the seconds it took."""
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        self.prepared = {}
+        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
+        with set_current_vllm_config(self.vllm_config):
+            for mname, names in self.direct.items():
+                module = self.model.get_submodule(mname) if mname else self.model
+                if type(module).__name__ in unread or any(n in self.aliases for n in names):
+                    continue  # written in place, or tied to another holder: at the swap
+                standin = stand_in(module)
+                process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
+                self.prepared[mname] = standin
+        return time.perf_counter() - t0
+
     def swap(self) -> float:
         """Make the version received with ``receive(go_live=False)`` live: the shadow of
-        the in-place parameters over them, then :meth:`commit`. Runs in the worker's own
-        thread between two forward passes (a worker RPC), never beside one."""
+        the in-place parameters over them, then :meth:`commit` (with the modules
+        :meth:`prepare` made, only their new packed copies handed over). Runs in the
+        worker's own thread between two forward passes (a worker RPC), never beside one."""
+        t0 = time.perf_counter()
         self.receiver.go_live()
-        return self.commit()
+        shadow = time.perf_counter() - t0
+        seconds = self.commit()
+        self.last.update(shadow_seconds=shadow, swap_seconds=time.perf_counter() - t0)
+        return seconds
 
     @torch.no_grad()
     def commit(self) -> float:
@@ -371,10 +403,13 @@ class ReshardState:
         tensor are processed with it, except an embedding beside an LM head of its own,
         whose packed GEMM copy nothing reads (the embedding lookup reads its weight)."""
         unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
+        prepared, self.prepared = self.prepared, {}
         for mname, names in self.direct.items():
             module = self.model.get_submodule(mname) if mname else self.model
             logical = {self.where[n][1]: self.buffers[n] for n in names}
-            if type(module).__name__ in unread:
+            if mname in prepared:  # processed beside the engine: hand it over
+                take_over(module, prepared[mname])
+            elif type(module).__name__ in unread:
                 for attr, tensor in logical.items():  # read as loaded: in place is all
                     getattr(module, attr).data.copy_(tensor)
             else:

@@ -307,10 +307,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self._receive()
 
     def _receive(self) -> None:
+        """Receive, then prepare the packed GEMMs beside the engine
+        (:meth:`ReshardState.prepare`), so that the swap is short."""
         try:
             self.received = self.state.receive(go_live=False)
+            self.received["prepare_seconds"] = self.state.prepare()
         except Exception as e:
             self.received = None
+            self.state.prepared = {}
             self._failed("the refit's receive", e)
 
     def finish_weight_update(self) -> None:
