@@ -27,7 +27,12 @@ from reshard.layout import Layout
 from reshard.quant.blocks import BlockFormat, check_engine_split, grid_shape, scale_layout
 from reshard.quant.targets import FP8, scale_name
 
-__all__ = ["FP8_WEIGHTS", "fp8_format", "fp8_scale_entry", "is_fp8_block"]
+__all__ = ["FP8_WEIGHTS", "FP8_BLOCK_CONFIG", "fp8_format", "fp8_scale_entry", "fp8_state",
+           "is_fp8_block"]
+
+#: The ``quantization_config`` of a DeepSeek-V3 / Qwen3 FP8 block checkpoint.
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                    "activation_scheme": "dynamic"}
 
 #: The Hugging Face weights an FP8 block checkpoint holds in FP8 (attention and MLP
 #: linears, MLA projections, shared and routed experts) when vLLM's own parameter names
@@ -93,3 +98,20 @@ def _scale_rows(name: str, slot: Slot, param_shape: tuple[int, ...],
             "another part of the fused parameter, which vLLM then serves with the wrong "
             "scale (vllm#52915); reshard refuses such a checkpoint")
     return start // block_rows, -(-stop // block_rows)
+
+
+def fp8_state(state: Mapping[str, Any], fmt: BlockFormat | None = None) -> dict[str, Any]:
+    """A full state dict as an FP8 block checkpoint holds it: each weight of
+    :data:`FP8_WEIGHTS` quantized with the reference formula
+    (:func:`reshard.quant.quantize_reference`) beside its ``weight_scale_inv``, the rest
+    as given. A reference for checks (a refit never builds it)."""
+    from reshard.quant.fp8 import quantize_reference
+
+    fmt = fmt or BlockFormat()
+    out = {}
+    for name, x in state.items():
+        if FP8_WEIGHTS.match(name):
+            out[name], out[scale_name(name)] = quantize_reference(x, fmt)
+        else:
+            out[name] = x
+    return out

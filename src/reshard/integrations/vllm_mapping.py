@@ -59,11 +59,13 @@ from reshard.integrations.vllm_rules import (
     padded_vocab,
 )
 from reshard.layout import Layout, dtype_itemsize, dtype_name
+from reshard.quant.blocks import BlockFormat
 
 __all__ = [
     "CHECKED_FAMILIES", "CONVERSIONS", "MOE_BLOCKS", "RULES", "UNCHECKED_FAMILIES_ENV",
     "UNMODELLED_CONFIG_FIELDS", "MappedTensor", "MappingError", "Slot", "VllmMapping",
-    "check_family", "hf_to_vllm", "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
+    "check_family", "hf_to_vllm", "padded_vocab", "quant_format", "unmapped_sides",
+    "VOCAB_PADDING",
 ]
 
 #: The ``model_type``s whose refit into vLLM was checked end to end, bit for bit against a
@@ -259,8 +261,7 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
     logical = ({n: tuple(s) for n, s in logical_shapes.items()}
                if logical_shapes is not None else None)
     ctx = RuleContext(cfg, tp, dtype_name(dtype), logical)
-    fmt = fp8_format(_plain_dict(config).get("quantization_config")
-                     or cfg.get("quantization_config"))
+    fmt = quant_format(config)
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in names:
         names.pop("lm_head.weight")  # tied: vLLM's lm_head is embed_tokens
     tensors: dict[str, MappedTensor] = {}
@@ -283,6 +284,14 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
                                f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
     _check_filled(tensors, shapes)
     return VllmMapping(tensors, shapes, tp, ctx.dtype)
+
+
+def quant_format(config: Any) -> BlockFormat | None:
+    """The FP8 block format of an FP8 block checkpoint's config (None for an unquantized
+    one): the engine's tensors the trainer quantizes on the way (``docs/fp8.md``)."""
+    cfg = _plain_dict(config)
+    return fp8_format(cfg.get("quantization_config")
+                      or _config_dict(cfg).get("quantization_config"))
 
 
 def _add(tensors: dict[str, MappedTensor], shapes: dict[str, tuple[int, ...]],
