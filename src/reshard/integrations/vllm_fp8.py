@@ -17,7 +17,6 @@ head and MoE routers stay in the model dtype. Pure Python: no vLLM import.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +24,7 @@ from reshard.errors import MappingError
 from reshard.integrations.vllm_rules import Slot
 from reshard.layout import Layout
 from reshard.quant.blocks import BlockFormat, check_engine_split, grid_shape, scale_layout
-from reshard.quant.targets import FP8, scale_name
+from reshard.quant.targets import FP8, FP8_WEIGHTS, scale_name
 
 __all__ = ["FP8_WEIGHTS", "FP8_BLOCK_CONFIG", "fp8_format", "fp8_scale_entry", "fp8_state",
            "is_fp8_block"]
@@ -33,15 +32,6 @@ __all__ = ["FP8_WEIGHTS", "FP8_BLOCK_CONFIG", "fp8_format", "fp8_scale_entry", "
 #: The ``quantization_config`` of a DeepSeek-V3 / Qwen3 FP8 block checkpoint.
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128],
                     "activation_scheme": "dynamic"}
-
-#: The Hugging Face weights an FP8 block checkpoint holds in FP8 (attention and MLP
-#: linears, MLA projections, shared and routed experts) when vLLM's own parameter names
-#: are not at hand to say so (with them: a weight is FP8 iff its ``_scale_inv`` exists).
-FP8_WEIGHTS = re.compile(
-    r"^.+\.(self_attn\.(q|k|v|o|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"
-    r"|mlp(\.shared_experts?)?\.(gate|up|down)_proj"
-    r"|mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])"
-    r"\.weight$")
 
 
 def is_fp8_block(quant: Any) -> bool:

@@ -19,6 +19,7 @@ moves a byte. Torch-free, like the planner.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,15 +34,41 @@ from reshard.quant.blocks import (
     scale_layout,
 )
 
-__all__ = ["FP8", "SCALE_SUFFIX", "Fp8Refit", "plan_fp8_refit", "scale_name"]
+__all__ = ["FP8", "FP8_WEIGHTS", "SCALE_SUFFIX", "Fp8Refit", "fp8_engine_layouts",
+           "plan_fp8_refit", "scale_name"]
 
 FP8 = "float8_e4m3fn"
 #: A quantized tensor's scales are named after it: ``...weight`` -> ``...weight_scale_inv``.
 SCALE_SUFFIX = "_scale_inv"
 
 
+#: The Hugging Face weights an FP8 block checkpoint (DeepSeek-V3, Qwen3 FP8) holds in FP8:
+#: attention and MLP linears, MLA projections, shared and routed experts; embeddings, the
+#: LM head, norms and routers stay in the model dtype.
+FP8_WEIGHTS = re.compile(
+    r"^.+\.(self_attn\.(q|k|v|o|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"
+    r"|mlp(\.shared_experts?)?\.(gate|up|down)_proj"
+    r"|mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])"
+    r"\.weight$")
+
+
 def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
+
+
+def fp8_engine_layouts(layouts: Mapping[str, Layout], fmt: BlockFormat | None = None,
+                       ) -> dict[str, Layout]:
+    """An engine's layouts as an FP8 block checkpoint serves them: each weight of
+    :data:`FP8_WEIGHTS` in FP8 with its scale layout beside it (what the engine's ranks
+    hold of the scale grid: :func:`~reshard.quant.blocks.scale_layout`), the rest as
+    given. For the simulator, benchmarks and tests; the vLLM integration maps its own."""
+    fmt = fmt or BlockFormat()
+    out = dict(layouts)
+    for name, lay in layouts.items():
+        if FP8_WEIGHTS.match(name) and len(lay.shape) == 2:
+            out[name] = lay.with_dtype(FP8)
+            out[scale_name(name)] = scale_layout(lay, fmt.block).with_dtype("float32")
+    return out
 
 
 @dataclass(frozen=True, eq=False)
