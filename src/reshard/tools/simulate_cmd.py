@@ -50,8 +50,9 @@ def _fp8_figures(case) -> dict | None:
 
 def _fp8_line(f: dict) -> str:
     return (f"FP8 blocks {f['format']}: {f['tensors']} tensors quantized on the trainer; "
-            f"scales {f['scale_bytes'] / 1e6:.1f} MB of the engine's {_gb(f['engine_bytes'])}; amax "
-            f"exchange {f['amax_bytes_per_trainer_rank']} B per trainer rank "
+            f"scales {f['scale_bytes'] / 1e6:.1f} MB of the engine's "
+            f"{_gb(f['engine_bytes'])}; amax exchange {f['amax_bytes_per_trainer_rank']} B "
+            "per trainer rank "
             f"({f['shared_blocks']} blocks split across trainer ranks)")
 
 
