@@ -260,4 +260,5 @@ def test_simulate_command_counts_fp8_codes_scales_and_the_amax_exchange(capsys):
     assert fp8["fp8"]["amax_bytes_per_trainer_rank"] == 4 * blocks
     assert main(["simulate", "--model", "tiny-qwen3", "--src", "tp2", "--dst", "tp2",
                  "--cluster", "custom:domain=2", "--dst-dtype", "float8_e4m3fn"]) != 0
-    assert "'model.layers.0.self_attn.q_proj.weight': engine rank 0 holds an output size (rows) of 32 of 64" in capsys.readouterr().err
+    assert ("'model.layers.0.self_attn.q_proj.weight': engine rank 0 holds an output size "
+            "(rows) of 32 of 64") in capsys.readouterr().err
