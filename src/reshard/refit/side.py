@@ -63,6 +63,8 @@ class RefitStats:
     """The transfer's staging memory on this rank (the largest of its executors')."""
     amax_bytes: int = 0
     """FP8 refits: the bytes this rank put into the amax exchange (4 a shared block)."""
+    quantize_seconds: float = 0.0
+    """FP8 refits: this rank's time quantizing (its amax exchange included)."""
 
 
 def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
@@ -205,10 +207,12 @@ class Side:
         version = self._check(src, dst, proposed, deadline)
         error: BaseException | None = None
         sent = received = rounds = staging = 0
+        t_quant = time.perf_counter()
         try:
             src, amax = self._quantized(src, deadline)
         except TransferError as e:
             error, amax = e, 0
+        t_quant = time.perf_counter() - t_quant
         for ex in self.executors if error is None else ():
             ex.deadline = deadline
             try:
@@ -224,7 +228,7 @@ class Side:
             self._break()
         self._commit(error, broken=broken, deadline=deadline, version=version)
         return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging,
-                          amax)
+                          amax, t_quant)
 
     def _quantized(self, src, deadline: float | None):
         """``(what this rank sends, amax bytes it exchanged)``: on a trainer rank of an
