@@ -165,5 +165,14 @@ def test_splits_vllm_refuses_or_serves_wrong_are_refused_by_name():
                                            r"fills rows 256..320 of .*qkv_proj.weight .*"
                                            r"vllm#52915"):
         hf_to_vllm(dict(CFG, num_key_value_heads=1), 1)
+    moe = dict(CFG, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[])
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": (4, 512, H),
+             "model.layers.0.mlp.experts.down_proj": (4, H, 256)}
+    with pytest.raises(Fp8BlockError, match=r"tensor 'model.layers.0.mlp.experts.gate_up_proj"
+                                            r"': .* one 3-D tensor \[4, 512, 256\]"):
+        hf_to_vllm(moe, TP, {"model.layers.0.mlp.experts.w13_weight": (4, 256, H),
+                             "model.layers.0.mlp.experts.w13_weight_scale_inv": (4, 2, 2)},
+                   hf_tensors=fused)
     with pytest.raises(MappingError, match=r"reshard refits FP8 block checkpoints only"):
         hf_to_vllm(dict(CFG, quantization_config={"quant_method": "fp8"}), TP)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from reshard.errors import MappingError
+from reshard.errors import Fp8BlockError, MappingError
 from reshard.integrations.vllm_rules import Slot
 from reshard.layout import Layout
 from reshard.quant.blocks import BlockFormat, check_engine_split, grid_shape, scale_layout
@@ -67,6 +67,12 @@ def fp8_scale_entry(name: str, slot: Slot, layout: Layout, param_shape: tuple[in
             return None
     elif not FP8_WEIGHTS.match(name):
         return None
+    if len(layout.shape) != 2:
+        raise Fp8BlockError(
+            f"tensor {name!r}: the engine holds {slot.param} in FP8 blocks, but the trainer "
+            f"sends it as one {len(layout.shape)}-D tensor {list(layout.shape)} (fused "
+            "experts); FP8 block quantization is built for 2-D tensors: send each expert "
+            "under its checkpoint name (experts.{e}.gate_proj.weight, ...)")
     check_engine_split(name, layout, fmt.block)
     scale_shape = (*param_shape[:-2], *grid_shape(param_shape[-2:], fmt.block))
     scale_slot = Slot(scale_param, expert=slot.expert,
