@@ -20,8 +20,6 @@ every rank's FP8 bytes and scales against vLLM's loaders there, and
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,14 +49,12 @@ try:
 except Exception as e:  # ImportError, or a broken install
     pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
 
-from test_vllm_families import close, engine  # noqa: E402
-from test_vllm_refit import JOB, generate, serve_long_prompt  # noqa: E402
+from test_vllm_families import close, engine, refit_steps  # noqa: E402
+from test_vllm_refit import generate  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
-from reshard.integrations.vllm import collective  # noqa: E402
 from reshard.integrations.vllm_fp8 import fp8_state  # noqa: E402
 from reshard.integrations.vllm_mapping import hf_to_vllm  # noqa: E402
-from reshard.tools.launch import free_port  # noqa: E402
 
 TP, STEPS, DTYPE = 2, 2, "bfloat16"
 #: every TP2 split on whole 128 x 128 blocks (q, k, v 128 rows a rank, MLP 256)
@@ -75,36 +71,17 @@ def checkpoints(tmp_path_factory):
     return bf16, hf.save_fp8_checkpoint(bf16, state, root / "qwen3_fp8")
 
 
+def _fp8_reference(state: Path) -> Path:
+    """The step's reference FP8 checkpoint, as a state dict (``reshard_verify``'s input)."""
+    path = state.with_name(state.stem + "_fp8.pt")
+    torch.save(fp8_state(torch.load(state)), path)
+    return path
+
+
 def test_fsdp2_trainer_refits_an_fp8_engine_like_a_fresh_one(checkpoints, tmp_path):
     bf16, fp8_dir = checkpoints
-    llm = engine(fp8_dir, TP, DTYPE, reshard=True, kind="qwen3")
-    port, out = free_port(), tmp_path / "out"
-    out.mkdir()
-    records = []
-    try:
-        with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
-            job = subprocess.Popen([sys.executable, str(JOB), str(bf16), str(port), str(out),
-                                    "--shard", "fsdp", "--steps", str(STEPS),
-                                    "--inference-size", str(TP)], stdout=so, stderr=se)
-            try:
-                collective(llm, "reshard_init", "127.0.0.1", port, 2)
-                for step in range(1, STEPS + 1):
-                    serve_long_prompt(llm)
-                    res = collective(llm, "reshard_refit")
-                    tokens, lps = generate(llm)
-                    reference = out / f"step{step}_fp8.pt"
-                    torch.save(fp8_state(torch.load(out / f"step{step}.pt")), reference)
-                    records.append({"res": res, "tokens": tokens, "lps": lps,
-                                    "verify": collective(llm, "reshard_verify",
-                                                         str(reference))})
-                job.wait(timeout=120)
-            finally:
-                job.kill()
-                collective(llm, "reshard_close")
-    finally:
-        close(llm)
-    assert job.returncode == 0, (tmp_path / "job.err").read_text()[-4000:]
-    trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
+    records, trainer = refit_steps(bf16, tmp_path, "fsdp", DTYPE, TP, STEPS,
+                                   engine_dir=fp8_dir, reference=_fp8_reference)
     assert all(e["ok"] for rank_log in trainer for e in rank_log), trainer
     config = json.loads((fp8_dir / "config.json").read_text())
     mapping = hf_to_vllm(config, TP, dtype=DTYPE)
@@ -114,7 +91,7 @@ def test_fsdp2_trainer_refits_an_fp8_engine_like_a_fresh_one(checkpoints, tmp_pa
             assert res["bytes_received"] == mapping.shard_bytes(rank), res  # FP8 + scales
         for v in rec["verify"]:
             assert v["mismatched"] == [] and v["checked"] > 0, v
-        state = torch.load(out / f"step{step}.pt")
+        state = torch.load(tmp_path / "out" / f"step{step}.pt")
         fresh = engine(hf.save_fp8_checkpoint(bf16, state, tmp_path / f"fresh{step}"), TP,
                        DTYPE, reshard=False, kind="qwen3")
         try:
