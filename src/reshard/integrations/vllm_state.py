@@ -89,9 +89,27 @@ from reshard.integrations.vllm_mapping import (
     quant_format,
     unmapped_sides,
 )
-from reshard.integrations.vllm_plugin import require_loaded as require_plugin
 
-__all__ = ["ReshardState", "map_or_explain"]
+__all__ = ["ReshardState", "map_or_explain", "require_plugin"]
+
+PLUGIN_MODULE = "reshard.integrations.vllm_plugin"
+
+
+def require_plugin() -> None:
+    """Refuse to refit an engine whose engine core does not clear its prefix cache at a
+    commit. vLLM loads general plugins in the engine core and in every worker alike, so
+    a worker without the plugin means an engine core without it. (Read through
+    ``sys.modules``: vLLM imported the plugin's module if it loaded it, and this module
+    sits below it.)"""
+    import os
+    import sys
+
+    if not getattr(sys.modules.get(PLUGIN_MODULE), "_LOADED", False):
+        raise ReshardError(
+            "reshard's vLLM plugin is not loaded in this engine (VLLM_PLUGINS="
+            f"{os.environ.get('VLLM_PLUGINS')!r}): it clears vLLM's prefix cache at every "
+            "commit, without which requests after a refit read KV computed with the old "
+            "weights; add 'reshard' to VLLM_PLUGINS, or unset it")
 
 
 def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
@@ -151,7 +169,7 @@ class ReshardState:
             raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
                                f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
         self.model, self.vllm_config, self.rank = model, vllm_config, rank
-        self.inference_size = inference_size
+        self.inference_size, self.timeout_s = inference_size, timeout_s
         self.where = logical_params(model)
         self.aliases = tied_aliases(model, self.where)
         self.derived = derived_buffers(model, self.where)
@@ -172,6 +190,13 @@ class ReshardState:
         else:  # learnt from the trainer at the meeting
             self.receiver = RefitReceiver(prepare=self._prepare_from, **common)
         self.created = time.monotonic()
+        # forward passes of this rank's model: a swap records the count it happened at,
+        # so every TP rank can be shown to swap between the same two forward passes
+        self.forwards = 0
+        self._counting = model.register_forward_pre_hook(self._count_forward)
+
+    def _count_forward(self, module: Any, args: Any) -> None:
+        self.forwards += 1
 
     def _prepare_from(self, trainer: Mapping[str, Any]) -> tuple[dict, dict, list[str]]:
         return self._prepare({name: layout.shape for name, layout in trainer.items()})
@@ -257,14 +282,17 @@ class ReshardState:
         ``staging="none"`` failed midway; the next complete refit clears it)."""
         return {"rank": self.rank, "version": self.version, "stale": self.stale}
 
-    def receive(self) -> dict[str, Any]:
+    def receive(self, go_live: bool = True) -> dict[str, Any]:
         """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
-        committed, ``last`` says why)."""
+        committed, ``last`` says why). With ``go_live=False`` nothing of the live model
+        is written (the in-place parameters wait in the shadow): the engine may go on
+        generating while this runs in a background thread; :meth:`swap` makes it live."""
         t0 = time.perf_counter()
         self.measured_peak = reset_peak_rss()  # this refit's own peak
         rss_start = rss_bytes() - self.rss_at_init
+        forward_at_start = self.forwards
         try:
-            stats = self.receiver.refit()
+            stats = self.receiver.refit(go_live=go_live)
         except Exception as e:
             # with staging="none" the live in-place weights may hold part of the new version
             self.stale = self.stale or (self.staging == "none" and bool(self.live))
@@ -277,8 +305,16 @@ class ReshardState:
                      "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
                      "expected_bytes": self.expected_bytes, "committed": False,
                      "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
-                     "peak_rss_extra_receive": self._peak_extra()}
+                     "peak_rss_extra_receive": self._peak_extra(),
+                     "forwards_during_receive": self.forwards - forward_at_start}
         return self.last
+
+    def swap(self) -> float:
+        """Make the version received with ``receive(go_live=False)`` live: the shadow of
+        the in-place parameters over them, then :meth:`commit`. Runs in the worker's own
+        thread between two forward passes (a worker RPC), never beside one."""
+        self.receiver.go_live()
+        return self.commit()
 
     @torch.no_grad()
     def commit(self) -> float:
@@ -321,6 +357,7 @@ class ReshardState:
         seconds = time.perf_counter() - t0
         self._version, self.stale = self.receiver.version, False
         self.last.update(committed=True, commit_seconds=seconds, stale=False,
+                         swap_forward=self.forwards,
                          peak_rss_extra=self._peak_extra(),
                          rss_extra=rss_bytes() - self.rss_at_init)
         return seconds
@@ -429,6 +466,7 @@ class ReshardState:
         return logical if how is None else _converted(how, logical).to(self.where[name][3])
 
     def close(self) -> None:
+        self._counting.remove()
         self.receiver.comm.close()
 
 

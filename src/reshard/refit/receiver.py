@@ -31,6 +31,7 @@ class RefitReceiver(Side):
     as the vLLM integration does, needs nothing else from the caller)."""
 
     direct: frozenset[str] = frozenset()  # targets the caller stages itself (no shadow)
+    received: int | None = None  # a version received whole, not live yet (go_live)
 
     def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
                  layouts: Mapping[str, Layout] | None = None, *,
@@ -106,13 +107,30 @@ class RefitReceiver(Side):
                     if name not in self.direct:
                         live.copy_(self.shadow[name])
 
-    def refit(self) -> RefitStats:
+    def refit(self, go_live: bool = True) -> RefitStats:
         """Receive the next weight version; on success it is live (``direct`` targets:
-        written, for the caller to commit) and ``version`` is set."""
+        written, for the caller to commit) and ``version`` is set. With ``go_live=False``
+        (``staging="shadow"`` only) the version waits whole in the shadow until
+        :meth:`go_live`: a receive that may run beside readers of the live weights (an
+        engine generating while the next version arrives in the background)."""
+        if not go_live and self.staging != "shadow":
+            raise ConfigError("refit(go_live=False) needs staging='shadow': with "
+                              "staging='none' the transfer writes the live weights")
         stats = self._move({}, self.shadow, None)
-        self._go_live()
-        self.version = stats.version
+        self.received = stats.version
+        if go_live:
+            self.go_live()
         return stats
+
+    def go_live(self) -> int:
+        """Copy the last version received whole over the live targets (after
+        ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""
+        if self.received is None:
+            raise ConfigError("go_live: no version was received whole since the last one "
+                              "went live")
+        self._go_live()
+        self.version, self.received = self.received, None
+        return self.version
 
     def reconnect(self, host: str, port: int, *, rank: int | None = None,
                   inference_size: int | None = None, timeout: timedelta | None = None,
