@@ -67,7 +67,7 @@ def fp8_engine_layouts(layouts: Mapping[str, Layout], fmt: BlockFormat | None = 
     for name, lay in layouts.items():
         if FP8_WEIGHTS.match(name) and len(lay.shape) == 2:
             out[name] = lay.with_dtype(FP8)
-            out[scale_name(name)] = scale_layout(lay, fmt.block).with_dtype("float32")
+            out[scale_name(name)] = scale_layout(lay, fmt.block)
     return out
 
 
