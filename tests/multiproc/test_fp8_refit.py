@@ -12,6 +12,7 @@ refuse is refused at the meeting, by name, on every rank of both jobs."""
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import cache
 from math import prod
 
 import pytest
@@ -136,27 +137,53 @@ def _refused(rank, port):
     return None
 
 
+def _bad_source(rank, port):
+    """Trainer rank 1 hands in a quantized tensor of the wrong shape: refused by the
+    pre-send check on every rank of both jobs; a good refit still follows."""
+    side, tensors = _meet(rank, port, BlockFormat(BLOCK))
+    good = tensors.get("o.weight")
+    if rank == 1:
+        tensors["o.weight"] = good[:, :-1]
+    try:
+        side.refit(1) if rank < T else side.refit()
+        out = None
+    except R.ReshardError as e:
+        out = (type(e).__name__, str(e))
+    if rank == 1:
+        tensors["o.weight"] = good
+    again = side.refit(1) if rank < T else side.refit()
+    side.comm.close()
+    return out, again.version
+
+
 def _job(rank, _world, ports):
     return {"plain": _refits(rank, ports[0], BlockFormat(BLOCK)),
             "ue8m0": _refits(rank, ports[1], BlockFormat(BLOCK, ue8m0=True)),
-            "refused": _refused(rank, ports[2])}
+            "refused": _refused(rank, ports[2]), "bad_source": _bad_source(rank, ports[3])}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_processes(_job, T + I, [free_port() for _ in range(3)], init=False,
+    return run_processes(_job, T + I, [free_port() for _ in range(4)], init=False,
                          timeout=240)
+
+
+@cache
+def _reference(name: str, step: int, fmt: BlockFormat):
+    """The full tensor of refit ``step``, and its reference quantization."""
+    full = _full(name, trainer_layouts()[name], step)
+    return full, (quantize_reference(full, fmt) if full.dim() == 2 else None)
 
 
 def _expected(rank: int, step: int, fmt: BlockFormat) -> dict[str, torch.Tensor]:
     """What engine rank ``rank`` must hold after refit ``step``, from the full tensors."""
     engine, out = engine_layouts(), {}
-    for name, lay in trainer_layouts().items():
-        full = _full(name, lay, step)
+    for name in trainer_layouts():
+        full, quantized = _reference(name, step, fmt)
         if engine[name].dtype != "float8_e4m3fn":
             out[name] = engine[name].shard(full, rank)
             continue
-        q, scale = quantize_reference(full, fmt)
+        q, scale = quantized
         out[name] = engine[name].shard(q.view(torch.uint8), rank)
         out[scale_name(name)] = engine[scale_name(name)].shard(scale, rank)
     return {n: t.contiguous().view(torch.uint8) for n, t in out.items()}
@@ -194,3 +221,11 @@ def test_a_split_vllm_refuses_is_refused_at_the_meeting_on_every_rank(results):
     assert all(r is not None and r[:2] == ("Fp8BlockError", True) for r in refusals), refusals
     assert all("'b.weight'" in r[2] and "engine rank 0" in r[2] and "150" in r[2]
                for r in refusals), refusals
+
+
+def test_a_bad_source_tensor_is_refused_on_every_rank_before_quantizing(results):
+    for (kind, message), version in (r["bad_source"] for r in results):
+        assert kind == "TensorMismatchError" and version == 1
+        assert message.startswith("rank 1: source tensor 'o.weight' has local shape "
+                                  "[256, 129], its layout says [256, 130]"), message
+        assert message.endswith("nothing was moved")
