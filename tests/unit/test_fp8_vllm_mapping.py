@@ -2,10 +2,12 @@
 weight loaders, with no FP8 kernel (vLLM 0.32's CPU ones need AMX): a tiny Qwen3 with
 ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
 "activation_scheme": "dynamic"}`` over TP2. The trainer's bf16 tensors are FSDP2 rows
-on 3 ranks (blocks split across them); each trainer rank quantizes its own rows (the
-amax of split blocks exchanged), the refit's plan moves FP8 codes and scale rows to the
-engine ranks, and the mapping writes them into each rank's logical ``qkv_proj`` /
-``gate_up_proj`` / ``o_proj`` / ``down_proj`` ``weight`` and ``weight_scale_inv``. Those
+on 3 ranks, or Megatron-Core TP4 (the layouts ``reshard.integrations.megatron`` gives:
+q, k, v interleaved by query group), blocks split across ranks either way; each trainer
+rank quantizes its own pieces (the amax of split blocks exchanged), the refit's plan
+moves FP8 codes and scale rows to the engine ranks, and the mapping writes them into
+each rank's logical ``qkv_proj`` / ``gate_up_proj`` / ``o_proj`` / ``down_proj``
+``weight`` and ``weight_scale_inv``. Those
 are compared bit for bit with what vLLM's real ``QKVParallelLinear``,
 ``MergedColumnParallelLinear`` and ``RowParallelLinear`` (built with vLLM's ``Fp8Config``
 at that TP rank) load from the full reference-quantized checkpoint: the weight shard
@@ -22,13 +24,14 @@ import torch
 import reshard as R
 from reshard import planner
 from reshard.errors import Fp8BlockError, MappingError
+from reshard.integrations.megatron import Coords, hf_entries
 from reshard.integrations.vllm_mapping import check_family, hf_to_vllm
 from reshard.local import execute_local
 from reshard.quant import BlockFormat, quantize_reference, quantize_shards
 from reshard.quant.targets import plan_fp8_refit, scale_name
 
 QUANT = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-H, HEADS, KV, HD, INTER, TP, TRAINER = 256, 4, 4, 64, 512, 2, 3
+H, HEADS, KV, HD, INTER, TP = 256, 4, 4, 64, 512, 2
 CFG = {"model_type": "qwen3", "hidden_size": H, "num_attention_heads": HEADS,
        "num_key_value_heads": KV, "head_dim": HD, "intermediate_size": INTER,
        "num_hidden_layers": 1, "vocab_size": 300, "tie_word_embeddings": False,
@@ -99,30 +102,59 @@ def _load_checkpoint(layers, checkpoint) -> None:
                 param.weight_loader(param, checkpoint[f"{hf}.{suffix}"], *args)
 
 
-def _refit_locally(full, mapping, fmt):
-    """What each engine rank receives: trainer ranks quantize their own FSDP2 rows
-    (the amax of split blocks exchanged, in process), the refit's plan moves codes
-    and scales; returns engine rank -> HF name -> local tensor."""
-    mesh = R.Mesh(list(range(TRAINER)))
-    trainer = {n: R.Layout(tuple(t.shape), mesh, [R.Shard(0)], "bfloat16")
-               for n, t in full.items()}
-    engine = {n: lay.shifted(TRAINER) for n, lay in mapping.layouts.items()}
-    src, plan8 = plan_fp8_refit(trainer, engine, fmt, tuple(range(TRAINER)), TRAINER)
-    assert plan8 is not None and plan8.plan.num_shared > 0
-    locals_ = {r: {n: lay.shard(full[n], r) for n, lay in trainer.items()}
-               for r in range(TRAINER)}
+def _fsdp2(full) -> dict[str, R.Layout]:
+    """FSDP2 rows over 3 ranks (86, 86, 84 of 256 rows: blocks on two ranks)."""
+    mesh = R.Mesh(list(range(3)))
+    return {n: R.Layout(tuple(t.shape), mesh, [R.Shard(0)], "bfloat16")
+            for n, t in full.items()}
+
+
+def _megatron(full, tp: int = 4) -> dict[str, R.Layout]:
+    """Megatron-Core TP4 (``reshard.integrations.megatron``'s own layouts): each rank's
+    ``linear_qkv`` holds one query group's q, k, v rows (64 each: a 128-row block of q
+    on two ranks), ``linear_fc1`` its [gate; up], ``linear_proj`` / ``linear_fc2`` its
+    columns; the rest replicated."""
+    mesh = R.Mesh(list(range(tp)))
+    out = {n: R.Layout(tuple(t.shape), mesh, [R.Replicate()], "bfloat16")
+           for n, t in full.items()}
+    local = {"self_attention.linear_qkv": ((HEADS + 2 * KV) * HD // tp, H),
+             "self_attention.linear_proj": (H, HEADS * HD // tp),
+             "mlp.linear_fc1": (2 * INTER // tp, H), "mlp.linear_fc2": (H, INTER // tp)}
+    views: dict[str, dict] = {}
+    for rank in range(tp):
+        coords = Coords(hidden=H, heads=HEADS, groups=KV, head_dim=HD, vocab=300,
+                        tp_rank=rank, tp_size=tp)
+        for name, shape in local.items():
+            for e in hf_entries(f"decoder.layers.0.{name}.weight", shape, coords):
+                views.setdefault(e.name, {})[rank] = e.view
+    for name, by_rank in views.items():
+        out[name] = R.Layout.explicit(tuple(full[name].shape), by_rank, "bfloat16")
+    return out
+
+
+def _refit_locally(full, mapping, fmt, trainer):
+    """What each engine rank receives: trainer ranks quantize their own pieces (the
+    amax of split blocks exchanged, in process), the refit's plan moves codes and
+    scales; returns engine rank -> HF name -> local tensor."""
+    n = len(next(iter(trainer.values())).ranks)
+    engine = {name: lay.shifted(n) for name, lay in mapping.layouts.items()}
+    src, plan8 = plan_fp8_refit(trainer, engine, fmt, tuple(range(n)), n)
+    assert plan8 is not None
+    locals_ = {r: {name: lay.shard(full[name], r) for name, lay in trainer.items()}
+               for r in range(n)}
     for t in plan8.plan.tensors:
-        shards = quantize_shards({r: locals_[r][t.name] for r in range(TRAINER)},
+        shards = quantize_shards({r: locals_[r][t.name] for r in range(n)},
                                  trainer[t.name], t, fmt)
         for r, shard in shards.items():
             locals_[r][t.name] = shard.qdata
             locals_[r][scale_name(t.name)] = shard.scale_local
     got = execute_local(planner.plan(src, engine, allow_cast=True), locals_)
-    return {r - TRAINER: v for r, v in got.items()}
+    return {r - n: v for r, v in got.items()}, plan8
 
 
+@pytest.mark.parametrize("trainer", ["fsdp2", "megatron_tp4"])
 def test_every_engine_rank_gets_what_vllms_loaders_take_from_the_fp8_checkpoint(
-        monkeypatch):
+        monkeypatch, trainer):
     assert check_family(CFG) == "qwen3"  # an FP8 block checkpoint is no longer refused
     mapping = hf_to_vllm(CFG, TP)
     fmt = BlockFormat((128, 128))
@@ -131,7 +163,10 @@ def test_every_engine_rank_gets_what_vllms_loaders_take_from_the_fp8_checkpoint(
     for name, x in full.items():
         if scale_name(name) in mapping.tensors:
             checkpoint[name], checkpoint[scale_name(name)] = quantize_reference(x, fmt)
-    received = _refit_locally(full, mapping, fmt)
+    layouts = (_fsdp2 if trainer == "fsdp2" else _megatron)(full)
+    received, plan8 = _refit_locally(full, mapping, fmt, layouts)
+    # FSDP2's rows cut blocks (86, 86, 84 rows); so do Megatron's 64-row query groups
+    assert plan8.plan.num_shared > 0
     for rank in range(TP):
         logical = mapping.allocate(rank)
         for name, view in mapping.targets(rank, logical).items():
