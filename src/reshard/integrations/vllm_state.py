@@ -98,6 +98,7 @@ from reshard.integrations.vllm_mapping import (
     VllmMapping,
     check_family,
     hf_to_vllm,
+    quant_format,
     unmapped_sides,
 )
 
@@ -193,7 +194,8 @@ class ReshardState:
         self.rss_at_init = rss_bytes()
         common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
                       inference_size=inference_size, staging=staging,
-                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s))
+                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s),
+                      quant=quant_format(vllm_config.model_config.hf_config))
         if hf_tensors is not None:  # told by the caller
             targets, layouts, direct = self._prepare(hf_tensors)
             self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
@@ -576,6 +578,8 @@ def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
     checkpoint form (a bias it turned to float32), the same through an exact cast both
     ways."""
     if held.dtype == logical.dtype:
+        if held.element_size() == 1 and held.is_floating_point():  # FP8: no torch.equal
+            return torch.equal(held.view(torch.uint8), logical.view(torch.uint8))
         return torch.equal(held, logical)
     return (torch.equal(held, logical.to(held.dtype)) and
             torch.equal(held.to(logical.dtype), logical))

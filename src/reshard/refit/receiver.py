@@ -10,6 +10,7 @@ import torch
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError
 from reshard.layout import Layout
+from reshard.quant.blocks import BlockFormat
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side
 
@@ -41,11 +42,15 @@ class RefitReceiver(Side):
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
                  checksum: bool | str = False,
-                 direct: Collection[str] = (), prepare: Prepare | None = None) -> None:
+                 direct: Collection[str] = (), prepare: Prepare | None = None,
+                 quant: BlockFormat | None = None) -> None:
         """The timeouts and ``checksum`` are as for :class:`RefitSender`. ``direct``:
         names whose targets are not live memory but the caller's own staging (buffers it
         commits itself once :meth:`refit` returned, as the vLLM integration's logical
-        buffers): written straight even with ``staging="shadow"``, never shadowed."""
+        buffers): written straight even with ``staging="shadow"``, never shadowed.
+        ``quant``: the FP8 block format of targets whose layout is ``float8_e4m3fn``
+        (each with a float32 scale target ``<name>_scale_inv``); the trainer quantizes
+        them on the way, shard by shard (``docs/fp8.md``)."""
         if staging not in ("shadow", "none"):
             raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
         if (prepare is None) == (targets is None or layouts is None) or (
@@ -57,7 +62,7 @@ class RefitReceiver(Side):
         meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
                          inference_size=inference_size, backend=backend,
                          layouts=layouts if prepare is None else self._preparing(prepare),
-                         timeout=connect_timeout or timeout)
+                         timeout=connect_timeout or timeout, quant=quant)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)
