@@ -155,7 +155,11 @@ def _refit_locally(full, mapping, fmt, trainer):
 @pytest.mark.parametrize("trainer", ["fsdp2", "megatron_tp4"])
 def test_every_engine_rank_gets_what_vllms_loaders_take_from_the_fp8_checkpoint(
         monkeypatch, trainer):
-    assert check_family(CFG) == "qwen3"  # an FP8 block checkpoint is no longer refused
+    # an FP8 block checkpoint is mapped, but only with the opt-in until an end-to-end run
+    # on a host with AMX (tests/integration/test_vllm_fp8.py) passed
+    with pytest.raises(MappingError, match="FP8 block checkpoint.*never checked end to end"):
+        check_family(CFG)
+    assert check_family(CFG, unchecked_ok=True) == "qwen3"
     mapping = hf_to_vllm(CFG, TP)
     fmt = BlockFormat((128, 128))
     full = _full_state()

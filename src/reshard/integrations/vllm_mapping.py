@@ -107,8 +107,17 @@ def check_family(config: Any, unchecked_ok: bool = False) -> str:
         if value and not (field == "quantization_config" and is_fp8_block(value)):
             raise MappingError(f"{family or 'this model'}: the config sets {field} ({why}); "
                                "reshard cannot refit it")
-    if family in CHECKED_FAMILIES or unchecked_ok or os.environ.get(
-            UNCHECKED_FAMILIES_ENV) == "1":
+    opted_in = unchecked_ok or os.environ.get(UNCHECKED_FAMILIES_ENV) == "1"
+    quant = outer.get("quantization_config") or cfg.get("quantization_config")
+    if quant and not opted_in:  # an FP8 block checkpoint (the only one modelled)
+        raise MappingError(
+            f"{family or 'this model'}: an FP8 block checkpoint, whose refit into vLLM was "
+            "never checked end to end (vLLM CPU's FP8 block kernels need AMX, and no host "
+            "with it ran tests/integration/test_vllm_fp8.py); its mapping is checked "
+            "against vLLM's loaders. To refit it anyway, pass unchecked_family_ok=True "
+            f"(or set {UNCHECKED_FAMILIES_ENV}=1) and check every refit with "
+            "reshard_verify and against a fresh engine")
+    if family in CHECKED_FAMILIES or opted_in:
         return family
     raise MappingError(
         f"model_type {family or None!r} is not among the families whose refit into vLLM "
