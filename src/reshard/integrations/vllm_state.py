@@ -207,6 +207,7 @@ class ReshardState:
         self.forwards = 0
         self._counting = model.register_forward_pre_hook(self._count_forward)
         self.prepared: dict[str, torch.nn.Module] = {}  # module -> its stand-in (prepare)
+        self.prepare_seconds = 0.0
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self.forwards += 1
@@ -322,18 +323,22 @@ class ReshardState:
         ``staging="none"`` failed midway; the next complete refit clears it)."""
         return {"rank": self.rank, "version": self.version, "stale": self.stale}
 
-    def receive(self, go_live: bool = True) -> dict[str, Any]:
+    def receive(self, go_live: bool = True, prepare: bool = False) -> dict[str, Any]:
         """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
         committed, ``last`` says why). With ``go_live=False`` nothing of the live model
         is written (the in-place parameters wait in the shadow): the engine may go on
-        generating while this runs in a background thread; :meth:`swap` makes it live."""
+        generating while this runs in a background thread; :meth:`swap` makes it live.
+        ``prepare``: :meth:`prepare` too, before this rank confirms its part (so the
+        trainer's send returns when the version is ready to swap)."""
         t0 = time.perf_counter()
         self.measured_peak = reset_peak_rss()  # this refit's own peak
         rss_start = rss_bytes() - self.rss_at_init
         forward_at_start = self.forwards
         self.prepared = {}  # made for a version that never went live: gone
         try:
-            stats = self.receiver.refit(go_live=go_live)
+            self.prepare_seconds = 0.0
+            stats = self.receiver.refit(go_live=go_live,
+                                        ready=self.prepare if prepare else None)
         except Exception as e:
             # with staging="none" the live in-place weights may hold part of the new version
             self.stale = self.stale or (self.staging == "none" and bool(self.live))
@@ -347,7 +352,8 @@ class ReshardState:
                      "expected_bytes": self.expected_bytes, "committed": False,
                      "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
                      "peak_rss_extra_receive": self._peak_extra(),
-                     "forwards_during_receive": self.forwards - forward_at_start}
+                     "forwards_during_receive": self.forwards - forward_at_start,
+                     "prepare_seconds": self.prepare_seconds}
         return self.last
 
     @torch.no_grad()
@@ -371,7 +377,8 @@ class ReshardState:
                 standin = stand_in(module)
                 process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
                 self.prepared[mname] = standin
-        return time.perf_counter() - t0
+        self.prepare_seconds = time.perf_counter() - t0
+        return self.prepare_seconds
 
     def swap(self) -> float:
         """Make the version received with ``receive(go_live=False)`` live: the shadow of

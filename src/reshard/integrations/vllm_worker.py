@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,8 +311,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         """Receive, then prepare the packed GEMMs beside the engine
         (:meth:`ReshardState.prepare`), so that the swap is short."""
         try:
-            self.received = self.state.receive(go_live=False)
-            self.received["prepare_seconds"] = self.state.prepare()
+            self.received = self.state.receive(go_live=False, prepare=True)
         except Exception as e:
             self.received = None
             self.state.prepared = {}
@@ -320,6 +320,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def finish_weight_update(self) -> None:
         """Swap the version received whole into the live model (between two forward
         passes: this is a worker RPC, in the worker's own thread) and commit it."""
+        t0 = time.perf_counter()
+        try:
+            self._finish()
+        finally:  # how long this rank kept the engine from its next step
+            self.outcome["finish_seconds"] = time.perf_counter() - t0
+
+    def _finish(self) -> None:
         if self.thread is not None:  # the trainer's send returned: this ends at once
             self.thread.join(timeout=self.state.timeout_s)
             if self.thread.is_alive():

@@ -107,16 +107,20 @@ class RefitReceiver(Side):
                     if name not in self.direct:
                         live.copy_(self.shadow[name])
 
-    def refit(self, go_live: bool = True) -> RefitStats:
+    def refit(self, go_live: bool = True, ready: Callable[[], None] | None = None
+              ) -> RefitStats:
         """Receive the next weight version; on success it is live (``direct`` targets:
         written, for the caller to commit) and ``version`` is set. With ``go_live=False``
         (``staging="shadow"`` only) the version waits whole in the shadow until
         :meth:`go_live`: a receive that may run beside readers of the live weights (an
-        engine generating while the next version arrives in the background)."""
+        engine generating while the next version arrives in the background).
+        ``ready()`` runs once this rank's part arrived whole, before it confirms it (the
+        senders' ``refit`` returns after it on every rank); if it raises, the version
+        fails on every rank of both jobs."""
         if not go_live and self.staging != "shadow":
             raise ConfigError("refit(go_live=False) needs staging='shadow': with "
                               "staging='none' the transfer writes the live weights")
-        stats = self._move({}, self.shadow, None)
+        stats = self._move({}, self.shadow, None, ready)
         self.received = stats.version
         if go_live:
             self.go_live()

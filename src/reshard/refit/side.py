@@ -201,7 +201,12 @@ class Side:
                                f"{current}; nothing was moved")
         return new
 
-    def _move(self, src, dst, proposed: int | None) -> RefitStats:
+    def _move(self, src, dst, proposed: int | None,
+              ready: Callable[[], None] | None = None) -> RefitStats:
+        """One version: check, transfer, then (``ready``, on a receiver whose part
+        arrived whole: its own last step before it confirms, such as preparing the new
+        version beside the live one; raising fails the version on every rank) the
+        agreement."""
         t0 = time.perf_counter()
         deadline = self._deadline()
         version = self._check(src, dst, proposed, deadline)
@@ -226,6 +231,11 @@ class Side:
         broken = any(ex.broken for ex in self.executors)
         if broken:  # tell every peer now (their waits fail at once), then the commit fails
             self._break()
+        if error is None and ready is not None:
+            try:
+                ready()
+            except Exception as e:  # noqa: BLE001 - every rank hears of it at the commit
+                error = e
         self._commit(error, broken=broken, deadline=deadline, version=version)
         return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging,
                           amax, t_quant)
