@@ -106,6 +106,7 @@ class Load:
         self.prompts = [[1 + (7 * c + 13 * i) % 5000 for i in range(prompt_tokens)]
                         for c in range(n)]
         self.requests: list[list[tuple[float, int]]] = []  # per request: (time, tokens)
+        self.errors: list[str] = []
         self.halt = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(p,), daemon=True)
                         for p in self.prompts]
@@ -119,8 +120,16 @@ class Load:
         while not self.halt.is_set():
             arrivals: list[tuple[float, int]] = []
             self.requests.append(arrivals)
-            for t, new in self.server.stream(prompt, self.max_tokens):
-                arrivals.append((t, len(new)))
+            try:
+                for t, new in self.server.stream(prompt, self.max_tokens):
+                    arrivals.append((t, len(new)))
+            except Exception as e:  # noqa: BLE001 - counted, the client goes on
+                self.errors.append(repr(e))
+
+    def cut_short(self) -> int:
+        """Requests that ended with fewer tokens than asked (aborted, or cut by an error)."""
+        return sum(sum(k for _, k in r) < self.max_tokens for r in self.requests[:-len(
+            self.threads)])
 
     def stop(self) -> None:
         self.halt.set()
@@ -224,7 +233,8 @@ def run(a: argparse.Namespace) -> dict:
     results["pause_ratio"] = ovl["pause_s"] / stw["pause_s"]
     # the engine's own pause: (b) stops it for the whole round, (c) for the finish call
     results["engine_pause_ratio"] = ovl["engine_finish_s"] / stw["pause_s"]
-    results["gap_ratio"] = ovl["longest_gap_s"] / stw["longest_gap_s"]
+    results["gap_ratio"] = (ovl["longest_gap_s"] / stw["longest_gap_s"]
+                            if stw["longest_gap_s"] else None)
     (out / "serve_refit.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     print(f"(results in {out / 'serve_refit.json'})")
@@ -248,6 +258,8 @@ def _measure(load: Load, refits: list[dict], t0: float, t1: float) -> dict:
                     "longest_gap_s": load.longest_gap(w0, w1),
                     "window_tokens_per_s": load.tokens_between(w0, w1) / (w1 - w0)})
     summary = {"tokens_per_s": load.tokens_between(t0, t1) / (t1 - t0),
+               "requests": len(load.requests), "cut_short": load.cut_short(),
+               "client_errors": load.errors[:3],
                "longest_gap_s": max([p["longest_gap_s"] for p in per],
                                     default=load.longest_gap(t0, t1))}
     if per:
@@ -274,11 +286,12 @@ def table(results: dict) -> str:
                     f"{s['engine_prepare_s']:.3f} / {s['engine_swap_s']:.3f} | "
                     f"{s['longest_gap_s']:.3f} | "
                     f"{s['window_tokens_per_s']:.1f} ({s['window_vs_none']:.2f}) |")
+    gap = results["gap_ratio"]
     rows.append(f"\npause (c) / (b): {results['pause_ratio']:.3f} as rank 0 of the trainer "
                 f"measures it, {results['engine_pause_ratio']:.3f} on the engine (its finish "
                 f"call against the whole stop-the-world round); longest gap (c) / (b): "
-                f"{results['gap_ratio']:.3f} (medians over {len(modes['overlapped']['refits'])} "
-                "refits each)")
+                f"{gap if gap is None else round(gap, 3)} (medians over "
+                f"{len(modes['overlapped']['refits'])} refits each)")
     return "\n".join(rows)
 
 

@@ -311,19 +311,24 @@ def stand_in(module: torch.nn.Module) -> torch.nn.Module:
     return other
 
 
-def take_over(module: torch.nn.Module, processed: torch.nn.Module) -> None:
+def take_over(module: torch.nn.Module, processed: torch.nn.Module,
+              written: set[int] | None = None) -> None:
     """Make what :func:`process_in_place` made on a :func:`stand_in` of ``module`` live
     in ``module``: the attributes it set (the packed GEMM closure, ``cpu_linear``) by
     reference, the parameters vLLM keeps whole by copy into their storage (any view of
-    them, and vLLM's metadata, stay valid)."""
+    them, and vLLM's metadata, stay valid) -- except storages in ``written`` (a tied
+    weight another holder's hand-over wrote), to which the ones written are added."""
+    written = set() if written is None else written
     internal = ("_parameters", "_buffers", "_modules")
     for key, value in processed.__dict__.items():
         if key not in internal and module.__dict__.get(key) is not value:
             module.__dict__[key] = value
     for attr, p in processed._parameters.items():
         live = module._parameters.get(attr)
-        if p is not None and p.numel() and live is not None and live is not p:
+        if (p is not None and p.numel() and live is not None and live is not p
+                and live.data_ptr() not in written):
             live.data.copy_(p.data)
+            written.add(live.data_ptr())
 
 
 def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch.Tensor],

@@ -372,11 +372,20 @@ class ReshardState:
         with set_current_vllm_config(self.vllm_config):
             for mname, names in self.direct.items():
                 module = self.model.get_submodule(mname) if mname else self.model
-                if type(module).__name__ in unread or any(n in self.aliases for n in names):
-                    continue  # written in place, or tied to another holder: at the swap
+                if type(module).__name__ in unread:
+                    continue  # written in place at the swap
                 standin = stand_in(module)
                 process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
                 self.prepared[mname] = standin
+                for name in names:  # a tied tensor's other holders pack the new weight too
+                    for alias, attr in self.aliases.get(name, []):
+                        holder = self.model.get_submodule(alias)
+                        if type(holder).__name__ in unread:
+                            continue
+                        other = stand_in(holder)
+                        other._parameters[attr] = standin._parameters[self.where[name][1]]
+                        process_in_place(other, {})
+                        self.prepared[alias] = other
         self.prepare_seconds = time.perf_counter() - t0
         return self.prepare_seconds
 
@@ -413,11 +422,12 @@ class ReshardState:
         whose packed GEMM copy nothing reads (the embedding lookup reads its weight)."""
         unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
         prepared, self.prepared = self.prepared, {}
+        written: set[int] = set()  # storages a hand-over wrote (a tied weight: once)
         for mname, names in self.direct.items():
             module = self.model.get_submodule(mname) if mname else self.model
             logical = {self.where[n][1]: self.buffers[n] for n in names}
             if mname in prepared:  # processed beside the engine: hand it over
-                take_over(module, prepared[mname])
+                take_over(module, prepared[mname], written)
             elif type(module).__name__ in unread:
                 for attr, tensor in logical.items():  # read as loaded: in place is all
                     getattr(module, attr).data.copy_(tensor)
@@ -426,7 +436,9 @@ class ReshardState:
             for name in names:
                 for alias, _ in self.aliases.get(name, []):
                     holder = self.model.get_submodule(alias)
-                    if type(holder).__name__ not in unread:
+                    if alias in prepared:
+                        take_over(holder, prepared[alias], written)
+                    elif type(holder).__name__ not in unread:
                         process_in_place(holder, {})  # its weight is the one just written
 
     def _commit_reload(self, buffers: dict[str, torch.Tensor]) -> None:

@@ -324,7 +324,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             self._finish()
         finally:  # how long this rank kept the engine from its next step
-            self.outcome["finish_seconds"] = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.outcome["finish_seconds"] = seconds
+            if self.state is not None:  # and in reshard_last
+                self.state.last["finish_seconds"] = seconds
 
     def _finish(self) -> None:
         if self.thread is not None:  # the trainer's send returned: this ends at once
