@@ -4,7 +4,7 @@
 
 The one command of the GPU check. The check itself is the package next to this file,
 ``benchmarks/gpu_checks/``: one probe per module (``features``, ``correctness``,
-``packing``, ``nccl``, ``ipc``, ``colocated``, ``pytest_runs``), a shared runner
+``packing``, ``quant``, ``nccl``, ``ipc``, ``colocated``, ``pytest_runs``), a shared runner
 (``runner``) and report (``report``); its ``__init__`` says what each measures.
 ``--device cpu --quick`` is its debug mode on the host (``tests/unit/test_gpu_check.py``).
 """

@@ -19,14 +19,18 @@ On a machine with one CUDA device, with no set-up and in a few minutes:
    fraction of the device's copy bandwidth measured in the same run (goal: 80 %).
    Every region is copied, also those the executor would send without packing
    (``packing``, with ``staging`` and ``timing``);
-4. several ranks on one GPU, each tried in a subprocess with a timeout: an NCCL world
+4. FP8 block quantization throughput: a 7168 x 2048 bf16 weight as FSDP2 row shards
+   of 3 ranks that end mid-block, quantized shard by shard on the device as a refit
+   does, in GB/s of bf16 read, and checked bit for bit against the reference
+   quantizer (``quant``);
+5. several ranks on one GPU, each tried in a subprocess with a timeout: an NCCL world
    of one (local copies, a message to itself), two NCCL processes on one device
    (``nccl``), CUDA IPC between two processes (one packs, the other unpacks; ``ipc``),
    and the colocated transport (``method="colocated"``, CUDA IPC) between two processes
    that are each a trainer and an engine rank, checked after an in-place update and a
    reallocation of the trainer's weights, then timed (``colocated``); ``probes`` runs
    them;
-5. a chosen list of existing test files under pytest, each a subprocess with a
+6. a chosen list of existing test files under pytest, each a subprocess with a
    timeout; the files left out are listed with the reason, and so are skipped tests
    (``pytest_runs``).
 

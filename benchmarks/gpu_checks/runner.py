@@ -18,8 +18,10 @@ from .features import torch_features
 from .packing import measure_packing
 from .probes import multi_rank_probes, run_probe
 from .pytest_runs import run_tests
+from .quant import NAME as QUANT_NAME
+from .quant import measure_quantization
 from .report import build_report, exit_code, write_report
-from .results import ERROR, Results, one_line
+from .results import ERROR, Check, Results, one_line
 from .timing import free_memory, measure_copy
 
 
@@ -36,6 +38,15 @@ def _guarded_copy(args: argparse.Namespace) -> dict[str, Any]:
         free_memory(args.device)
 
 
+def _guarded_quantization(args: argparse.Namespace) -> Check:
+    try:
+        return measure_quantization(args)
+    except Exception as e:
+        return Check(QUANT_NAME, ERROR, one_line(e))
+    finally:
+        free_memory(args.device)
+
+
 def collect(args: argparse.Namespace) -> Results:
     """Run everything, the measurements first (on a quiet machine), pytest last."""
     t0 = time.perf_counter()
@@ -47,6 +58,8 @@ def collect(args: argparse.Namespace) -> Results:
     res.features = torch_features()
     _say(f"correctness checks on {args.device}")
     res.checks = correctness_checks(args.device)
+    _say(f"FP8 block quantization on {args.device}")
+    res.checks.append(_guarded_quantization(args))
     _say(f"copy bandwidth ({args.copy_mib} MiB)")
     res.copy = _guarded_copy(args)
     _say(f"packing {args.model} {args.src} -> {args.dst}")

@@ -159,6 +159,16 @@ class Comm:
         return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
                 for o, s in zip(outs, sizes)]
 
+    def all_reduce_max(self, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
+        """Elementwise max over the group, in place; ``timeout`` bounds the call."""
+        from torch._C._distributed_c10d import AllreduceOptions
+
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        if timeout is not None:
+            opts.timeout = timeout
+        self.pg.allreduce([tensor], opts).wait()
+
     def barrier(self) -> None:
         self.all_gather_object(None)
 

@@ -19,6 +19,7 @@ from reshard._transport.runner import RankRunner, RunStats
 from reshard.comm import Comm, backend_device_types
 from reshard.defaults import ALL_METHODS, CHECKSUMS, COLOCATED, DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError, FingerprintMismatchError, TensorMismatchError
+from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
 
@@ -214,11 +215,15 @@ def checksum_kind(checksum: bool | str | None) -> str | None:
 
 
 def local_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
-                  dst: Mapping[str, torch.Tensor], *, backend: str | None = None) -> str | None:
+                  dst: Mapping[str, torch.Tensor], *, backend: str | None = None,
+                  src_layouts: Mapping[str, Layout | None] | None = None) -> str | None:
     """The first thing wrong with this rank's tensors, as a sentence, or None.
-    ``backend``: the group's backend, whose devices the tensors must be on."""
+    ``backend``: the group's backend, whose devices the tensors must be on.
+    ``src_layouts``: what some source tensors are checked against instead of the plan's
+    layout (None: not checked), for a caller that makes the tensors it sends from them
+    (FP8 codes and scales from the trainer's bf16)."""
     try:
-        return _first_problem(plan, rank, src, dst, backend)
+        return _first_problem(plan, rank, src, dst, backend, src_layouts or {})
     except Exception as e:  # reading a tensor failed: refuse on every rank, move nothing
         return f"reading the local tensors failed: {e!r}"
 
@@ -243,11 +248,13 @@ def _device_problem(held: list[tuple[str, str, torch.Tensor]],
 
 
 def _first_problem(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
-                   dst: Mapping[str, torch.Tensor], backend: str | None) -> str | None:
+                   dst: Mapping[str, torch.Tensor], backend: str | None,
+                   src_layouts: Mapping[str, Layout | None]) -> str | None:
     held: list[tuple[str, str, torch.Tensor]] = []  # each tensor is read once, here
     for t in plan.tensors:
-        for side, tensors, layout in (("source", src, t.src), ("destination", dst, t.dst)):
-            if rank in layout.rank_set:
+        src_layout = src_layouts.get(t.name, t.src)
+        for side, tensors, layout in (("source", src, src_layout), ("destination", dst, t.dst)):
+            if layout is not None and rank in layout.rank_set:
                 tensor = tensors.get(t.name)
                 msg = _tensor_problem(t.name, side, tensor, layout, rank)
                 if msg:

@@ -189,6 +189,12 @@ class Layout:
                     self.mesh.dim_names)
         return Layout(self.shape, mesh, self.placements, self.dtype)
 
+    def with_dtype(self, dtype: Any) -> Layout:
+        """The same layout of another dtype (the pieces do not change)."""
+        if self._explicit is not None:
+            return Layout.explicit(self.shape, dict(zip(self.ranks, self._explicit)), dtype)
+        return Layout(self.shape, self.mesh, self.placements, dtype)
+
     # -- identity ---------------------------------------------------------------------
     @cached_property
     def structure(self) -> tuple:

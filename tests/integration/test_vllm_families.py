@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,10 +145,13 @@ def models(tmp_path_factory):
 
 
 def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int,
-                steps: int) -> tuple[list[dict], list]:
-    """The trainer job refits a reshard engine ``steps`` times; per step: each rank's
-    refit result, the answers, the weight check."""
-    llm = engine(model_dir, tp, dtype, reshard=True, kind=model_dir.name)
+                steps: int, *, engine_dir: Path | None = None,
+                reference: Callable[[Path], Path] = lambda state: state,
+                ) -> tuple[list[dict], list]:
+    """The trainer job (on ``model_dir``) refits a reshard engine (loaded from
+    ``engine_dir``, by default the same) ``steps`` times; per step: each rank's refit
+    result, the answers, the weight check against ``reference(the step's state)``."""
+    llm = engine(engine_dir or model_dir, tp, dtype, reshard=True, kind=model_dir.name)
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
     records = []
@@ -167,7 +171,7 @@ def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int
                         "res": res, "tokens": tokens, "lps": lps,
                         "info": collective(llm, "reshard_info"),
                         "verify": collective(llm, "reshard_verify",
-                                             str(out / f"step{step}.pt"))})
+                                             str(reference(out / f"step{step}.pt")))})
                 job.wait(timeout=120)
             finally:
                 job.kill()

@@ -245,8 +245,12 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                     llm.update_weights({"update_info": {}})  # a failed refit does not raise
                     received = collective(llm, "reshard_last")
                     ok = all(r["ok"] for r in received)
-                    llm.finish_weight_update(  # commits nothing after a failed receive
-                        weight_version=str(received[0]["version"]) if ok else None)
+                    if ok:
+                        llm.finish_weight_update(weight_version=str(received[0]["version"]))
+                    else:  # commits nothing after a failed receive, and says why
+                        with pytest.raises(Exception, match=r"finish_weight_update failed on "
+                                           r"vLLM rank\(s\) \[0, 1\].*serves weight version"):
+                            llm.finish_weight_update()
                     res = collective(llm, "reshard_last")
                     assert llm.get_weight_version() == str(collective(llm, "reshard_version")[0])
                 tokens, lps = generate(llm)

@@ -233,3 +233,32 @@ def test_byte_matrix_blocks_and_cluster_sweep(tmp_path):
     rows = sweep("cluster", "tp2", "tp2,dp4", "custom:domain=2", model="tiny-qwen3")
     assert [r["gpus"] for r in rows] == [4, 6, 10]
     assert all(r["lower_bound_s"] <= r["reshard"] <= r["gather_broadcast"] for r in rows)
+
+
+def test_simulate_command_counts_fp8_codes_scales_and_the_amax_exchange(capsys):
+    """``--dst-dtype float8_e4m3fn``: the linears arrive as FP8 codes plus one float32
+    scale a 128 x 128 block, the rest in bf16; the trainer ranks' amax exchange is
+    counted; an engine split vLLM would refuse is refused by name."""
+    args = ["simulate", "--model", "tiny-qwen3", "--src", "tp2", "--dst", "dp2",
+            "--cluster", "custom:domain=2", "--json"]
+    outs = []
+    for extra in ([], ["--dst-dtype", "float8_e4m3fn"]):
+        assert main(args + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    bf16, fp8 = outs
+    tensors = preset("tiny-qwen3").tensors
+    linears = [t for t in tensors if len(t.shape) == 2 and "embed" not in t.name
+               and "lm_head" not in t.name]
+    blocks = sum(-(-t.shape[0] // 128) * -(-t.shape[1] // 128) for t in linears)
+    numel = sum(t.shape[0] * t.shape[1] for t in linears)
+    assert fp8["fp8"]["tensors"] == len(linears) and fp8["fp8"]["scale_bytes"] == 4 * blocks
+    # two engine replicas: each gets every linear's codes (1 B) and scales instead of bf16
+    saved = 2 * (2 * numel - numel - 4 * blocks)
+    assert bf16["plan_stats"]["bytes_sent"] - fp8["plan_stats"]["bytes_sent"] == saved
+    # tp2 cuts each 64-row (or 32-column) linear inside its one block: all shared
+    assert fp8["fp8"]["shared_blocks"] == blocks
+    assert fp8["fp8"]["amax_bytes_per_trainer_rank"] == 4 * blocks
+    assert main(["simulate", "--model", "tiny-qwen3", "--src", "tp2", "--dst", "tp2",
+                 "--cluster", "custom:domain=2", "--dst-dtype", "float8_e4m3fn"]) != 0
+    assert ("'model.layers.0.self_attn.q_proj.weight': engine rank 0 holds an output size "
+            "(rows) of 32 of 64") in capsys.readouterr().err

@@ -24,6 +24,7 @@ def test_parallel_specs_give_the_megatron_sizes(spec, sizes):
     (["--trainer", "megatron", "--parallel", "tp4,pp4"], "at most 8"),
     (["--parallel", "tp2"], "--parallel is for --trainer megatron"),
     (["--trainer", "megatron", "--launcher", "ray"], "FSDP2 trainer only"),
+    (["--serve", "--launcher", "ray"], "--serve runs the FSDP2 trainer with the local"),
 ])
 def test_bad_choices_are_refused_by_name(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

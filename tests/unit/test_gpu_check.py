@@ -165,6 +165,8 @@ def test_quick_cpu_run_writes_the_report(tmp_path, capsys, monkeypatch):
     assert all(p["num_regions"] > 0 and p["gbps"] > 0 for p in report["packing"])
     status = {c["name"].removesuffix(" [cpu]"): c["status"] for c in report["checks"]}
     assert status.pop("gloo group of one refuses device tensors") == "skipped"
+    quant = next(c for c in report["checks"] if c["name"].startswith("FP8 block quant"))
+    assert quant["status"] == "pass" and "bit for bit the reference" in quant["detail"]
     # the digest raises on buffers under 8 bytes starting off an 8-byte boundary (reported
     # as an error of the library); every other case must agree
     assert status.pop("digest sum/crc32, host vs device") in ("pass", "error")

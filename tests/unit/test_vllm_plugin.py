@@ -8,6 +8,7 @@ import pytest
 
 from reshard.errors import ReshardError
 from reshard.integrations import vllm_plugin as plugin
+from reshard.integrations.vllm_state import require_plugin
 
 
 def test_committing_calls():
@@ -55,8 +56,95 @@ def test_a_committed_refit_resets_the_cache_and_labels_the_version():
 
 def test_finish_weight_update_resets_and_keeps_the_callers_version():
     core = _Core([None, None])
-    plugin._wrap(_Core.collective_rpc)(core, "finish_weight_update")
-    assert core.calls == [("rpc", "finish_weight_update"), ("reset", True)]
+    rpc = plugin._wrap(_Core.collective_rpc)
+    rpc(core, "start_weight_update")
+    rpc(core, "finish_weight_update")
+    assert core.calls == [("rpc", "start_weight_update"), ("rpc", "finish_weight_update"),
+                          ("reset", True)]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "reshard"])
+def test_protocol_calls_out_of_order_reach_no_worker(backend):
+    guard = plugin.ProtocolGuard(backend)
+    with pytest.raises(ReshardError, match="finish_weight_update before start_weight_update"):
+        guard.check("finish_weight_update", {})
+    with pytest.raises(ReshardError, match="update_weights before start_weight_update"):
+        guard.check("update_weights", {"update_info": {}})
+    if backend == "reshard":  # its start needs a meeting first
+        with pytest.raises(ReshardError, match="call init_weight_transfer_engine first"):
+            guard.check("start_weight_update", {})
+        guard.check("init_weight_transfer_engine", {"init_info": {
+            "master_address": "h", "master_port": 1, "trainer_size": 2}})
+        guard.done("init_weight_transfer_engine")
+    guard.check("start_weight_update", {})
+    guard.done("start_weight_update")
+    with pytest.raises(ReshardError, match="two starts"):
+        guard.check("start_weight_update", {})
+    for method in ("init_weight_transfer_engine", "shutdown_weight_transfer_engine"):
+        with pytest.raises(ReshardError, match="a weight update is in progress"):
+            guard.check(method, {"init_info": {}})
+    guard.check("update_weights", {"update_info": {}})
+    guard.check("finish_weight_update", {})
+    guard.done("finish_weight_update")
+    assert not guard.active
+
+
+def test_reshard_fields_are_checked_in_the_engine_core():
+    guard = plugin.ProtocolGuard("reshard")
+    with pytest.raises(ReshardError, match=r"unknown field\(s\) \['tokn'\].*it knows"):
+        guard.check("init_weight_transfer_engine", {"init_info": {
+            "master_address": "h", "master_port": 1, "trainer_size": 2, "tokn": "x"}})
+    with pytest.raises(ReshardError, match="trainer_size"):  # a required field missing
+        guard.check("init_weight_transfer_engine", {"init_info": {
+            "master_address": "h", "master_port": 1}})
+    guard.check("init_weight_transfer_engine", {"init_info": {
+        "master_address": "h", "master_port": 1, "trainer_size": 2, "staging": "none"}})
+    guard.done("init_weight_transfer_engine")
+    guard.done("start_weight_update")
+    with pytest.raises(ReshardError, match="unknown field"):
+        guard.check("update_weights", {"update_info": [{"background": False}, {"x": 1}]})
+    # the live weights cannot serve while a transfer writes them
+    with pytest.raises(ReshardError, match="background=True cannot overlap.*staging='none'"):
+        guard.check("update_weights", {"update_info": {"background": True}})
+    guard.check("update_weights", {"update_info": {"background": False}})
+    with pytest.raises(ReshardError, match="expected a JSON object"):
+        guard.check("update_weights", {"update_info": "background"})
+
+
+def _reshard_core(reports):
+    """An engine core with the reshard backend whose workers report ``reports``."""
+
+    class Core(_Core):
+        class vllm_config(_Core.vllm_config):  # noqa: N801
+            class weight_transfer_config:  # noqa: N801
+                backend = "reshard"
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.calls.append(("rpc", getattr(method, "__name__", method)))
+            return reports if callable(method) else [None] * len(reports)
+
+        def get_weight_version(self):
+            return "4"
+
+    core = Core(None)
+    guard = plugin._guard(core)
+    guard.initialized = True
+    return core, plugin._wrap(Core.collective_rpc)
+
+
+def test_a_reshard_finish_labels_the_committed_step_or_says_what_failed():
+    core, rpc = _reshard_core([{"ok": True, "committed": True, "version": 5}] * 2)
+    rpc(core, "start_weight_update")
+    rpc(core, "finish_weight_update")
+    assert core.calls[-3:] == [("rpc", "outcome"), ("reset", True), ("version", "5")]
+    failed = {"ok": False, "rank": 1, "error": "TransferError: peer lost"}
+    core, rpc = _reshard_core([{"ok": True, "rank": 0}, failed])
+    rpc(core, "start_weight_update")
+    with pytest.raises(ReshardError, match=r"failed on vLLM rank\(s\) \[1\]: TransferError: "
+                       "peer lost; the engine serves weight version '4' as before"):
+        rpc(core, "finish_weight_update")
+    assert ("reset", True) not in core.calls  # nothing committed: the cache stays
+    assert not plugin._guard(core).active  # the round is over either way
 
 
 def test_other_calls_leave_the_cache():
@@ -67,8 +155,10 @@ def test_other_calls_leave_the_cache():
 
 def test_a_reset_that_fails_is_an_error():
     core = _Core([None], resets_ok=False)
+    rpc = plugin._wrap(_Core.collective_rpc)
+    rpc(core, "start_weight_update")
     with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
-        plugin._wrap(_Core.collective_rpc)(core, "finish_weight_update")
+        rpc(core, "finish_weight_update")
 
 
 def test_refused_where_the_plugin_is_not_loaded(monkeypatch):
@@ -76,9 +166,9 @@ def test_refused_where_the_plugin_is_not_loaded(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     with pytest.raises(ReshardError, match=r"plugin is not loaded in this engine \(VLLM_PLUGINS="
                        r"'lora_filesystem_resolver'\).*add 'reshard' to VLLM_PLUGINS"):
-        plugin.require_loaded()
+        require_plugin()
     monkeypatch.setattr(plugin, "_LOADED", True)
-    plugin.require_loaded()
+    require_plugin()
 
 
 def test_the_package_declares_the_entry_point():

@@ -35,7 +35,8 @@ from reshard.placement import Replicate
 
 __all__ = [
     "build_tiny_model", "checkpoint_state_dict", "full_state_dict", "greedy_tokens",
-    "hf_name", "load_model", "param_shapes", "refit_params", "save_checkpoint", "shard_fsdp2",
+    "hf_name", "load_model", "param_shapes", "refit_params", "save_checkpoint",
+    "save_fp8_checkpoint", "shard_fsdp2",
     "shard_tp", "tiny_config", "tiny_tokenizer",
 ]
 
@@ -254,6 +255,35 @@ def save_checkpoint(model_dir: str | Path, state: Mapping[str, torch.Tensor],
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_fp8_checkpoint(model_dir: str | Path, state: Mapping[str, torch.Tensor],
+                        out: str | Path) -> Path:
+    """``state`` (full, in checkpoint names) saved as an FP8 block checkpoint of
+    ``model_dir``'s model in ``out``, as DeepSeek-V3 and Qwen3 FP8 checkpoints are laid
+    out: the linear weights in float8_e4m3fn with their float32 ``weight_scale_inv``
+    (the reference quantizer, :func:`reshard.integrations.vllm_fp8.fp8_state`), the rest
+    in float32, and ``quantization_config`` in ``config.json``: what a fresh FP8 engine
+    of one step loads."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from reshard.integrations.vllm_fp8 import FP8_BLOCK_CONFIG, fp8_state
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    full = {n: t.detach().float().contiguous() for n, t in state.items()}
+    save_file(fp8_state(full), str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = dict(FP8_BLOCK_CONFIG)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in (*_TOKENIZER_FILES, "generation_config.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, out / name)
+    return out
 
 
 def _layers(model: Any) -> Sequence[Any]:

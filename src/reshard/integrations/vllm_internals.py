@@ -20,10 +20,11 @@ import torch
 from reshard.integrations.vllm_mapping import MappingError
 
 __all__ = [
-    "derived_buffers", "has_own_lm_head", "kept_live", "logical_params",
-    "packed_gemm_mismatches", "quiet_reload", "refuse_unreloadable", "reset_moe_kernels",
-    "reset_peak_rss", "restore_loaders", "return_freed_memory", "rss_bytes",
-    "snapshot_loaders", "tied_aliases",
+    "derived_buffers", "direct_modules", "has_own_lm_head", "kept_live", "logical_params",
+    "packed_gemm_mismatches", "params_held", "process_in_place", "quiet_reload",
+    "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss", "restore_loaders",
+    "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in", "take_over",
+    "tied_aliases",
 ]
 
 
@@ -224,6 +225,110 @@ def _reads_as_loaded(module: torch.nn.Module, embedding: bool = True) -> bool:
     kind = type(module).__name__
     return getattr(module, "quant_method", None) is None or (
         embedding and kind in _READS_WEIGHT_AS_LOADED)
+
+
+#: vLLM's unquantized methods, whose processing after loading on CPU only packs a GEMM
+#: copy of a 2-D weight (``dispatch_cpu_unquantized_gemm``): linear layers, LM heads and
+#: embeddings. A commit runs it on the module as it stands (:func:`process_in_place`).
+_PACKS_ONLY = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
+def direct_modules(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
+                                                                     torch.dtype]],
+                   names: Sequence[str], excluded: set[str] = frozenset()
+                   ) -> dict[str, list[str]]:
+    """Module name -> its vLLM parameters among ``names``, for the modules a commit
+    processes in place (:func:`process_in_place`) rather than through layerwise reload:
+    on vLLM CPU, modules of an unquantized method (:data:`_PACKS_ONLY`) whose parameters
+    are a 2-D ``weight`` and maybe a ``bias``, none of them in ``excluded``."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(where[name][0], []).append(name)
+    out = {}
+    for mname, ns in by_module.items():
+        module = model.get_submodule(mname) if mname else model
+        attrs = {where[n][1] for n in ns}
+        if (type(getattr(module, "quant_method", None)).__name__ in _PACKS_ONLY
+                and "weight" in attrs and attrs <= {"weight", "bias"}
+                and len(where[f"{mname}.weight" if mname else "weight"][2]) == 2
+                and params_held(module) == attrs and not set(ns) & excluded):
+            out[mname] = ns
+    return out
+
+
+def params_held(module: torch.nn.Module) -> set[str]:
+    """The names of the parameters ``module`` holds itself (not those set to None)."""
+    return {k for k, p in module._parameters.items() if p is not None}
+
+
+def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor]) -> None:
+    """Give ``module`` new weights and rerun its processing after loading, as layerwise
+    reload does but without moving the layer to meta and back: a parameter vLLM keeps
+    whole (an embedding, a bias) is overwritten in place; one it packed away (left empty)
+    is lent the logical tensor, which the processing packs (a oneDNN or small-GEMM copy
+    of its own) and drops; then the module's own parameters are put back, as layerwise
+    reload's ``_copy_and_restore_kernel_tensors`` does. The old packed copy is freed
+    before the new one is made, so a commit holds no second copy of anything."""
+    kernel = {k: p for k, p in module._parameters.items() if p is not None}
+    for attr, tensor in logical.items():
+        live = kernel[attr]
+        if live.numel() == tensor.numel():
+            live.data.copy_(tensor.view(live.shape))
+        else:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    # the old packed copy goes first (its closure holds it): a commit then holds no
+    # second copy of any module (the engine does not run between the two)
+    module.__dict__.pop("cpu_linear", None)
+    module.quant_method.process_weights_after_loading(module)
+    for attr, live in kernel.items():
+        now = module._parameters.get(attr)
+        if now is not live and now is not None and now.numel():
+            if now.numel() != live.numel():
+                raise MappingError(f"{type(module).__name__}.{attr}: vLLM kept a tensor of "
+                                   f"{now.numel()} elements after processing, where it held "
+                                   f"{live.numel()}")
+            live.data.copy_(now)
+        module._parameters[attr] = live
+
+
+def stand_in(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` that :func:`process_in_place` may process while the engine
+    runs the module itself: its own attribute, parameter and buffer dicts (so a packed
+    copy or a parameter vLLM sets lands on the copy alone) and its own clone of every
+    parameter vLLM keeps whole (a bias, an LM head's weight); the packed-away (empty)
+    ones and everything else shared, read only."""
+    import copy
+
+    other = copy.copy(module)
+    other._parameters = {k: p if p is None or not p.numel() else
+                         torch.nn.Parameter(p.data.clone(), requires_grad=False)
+                         for k, p in module._parameters.items()}
+    other._buffers = dict(module._buffers)
+    return other
+
+
+def take_over(module: torch.nn.Module, processed: torch.nn.Module,
+              written: set[int] | None = None) -> None:
+    """Make what :func:`process_in_place` made on a :func:`stand_in` of ``module`` live
+    in ``module``: the attributes it set (the packed GEMM closure, ``cpu_linear``) by
+    reference, the parameters vLLM keeps whole by copy into their storage (any view of
+    them, and vLLM's metadata, stay valid) -- except storages in ``written`` (a tied
+    weight another holder's hand-over wrote), to which the ones written are added."""
+    written = set() if written is None else written
+    internal = ("_parameters", "_buffers", "_modules")
+    for key, value in processed.__dict__.items():
+        if key not in internal and module.__dict__.get(key) is not value:
+            module.__dict__[key] = value
+    for attr, p in processed._parameters.items():
+        live = module._parameters.get(attr)
+        if (p is not None and p.numel() and live is not None and live is not p
+                and live.data_ptr() not in written):
+            live.data.copy_(p.data)
+            written.add(live.data_ptr())
 
 
 def packed_gemm_mismatches(model: torch.nn.Module, reference: Mapping[str, torch.Tensor],

@@ -46,6 +46,7 @@ from math import prod
 from typing import Any
 
 from reshard.errors import MappingError
+from reshard.integrations.vllm_fp8 import fp8_format, fp8_scale_entry, is_fp8_block
 from reshard.integrations.vllm_rules import (
     CONVERSIONS,
     MOE_BLOCKS,
@@ -58,11 +59,13 @@ from reshard.integrations.vllm_rules import (
     padded_vocab,
 )
 from reshard.layout import Layout, dtype_itemsize, dtype_name
+from reshard.quant.blocks import BlockFormat
 
 __all__ = [
     "CHECKED_FAMILIES", "CONVERSIONS", "MOE_BLOCKS", "RULES", "UNCHECKED_FAMILIES_ENV",
     "UNMODELLED_CONFIG_FIELDS", "MappedTensor", "MappingError", "Slot", "VllmMapping",
-    "check_family", "hf_to_vllm", "padded_vocab", "unmapped_sides", "VOCAB_PADDING",
+    "check_family", "hf_to_vllm", "padded_vocab", "quant_format", "unmapped_sides",
+    "VOCAB_PADDING",
 ]
 
 #: The ``model_type``s whose refit into vLLM was checked end to end, bit for bit against a
@@ -78,9 +81,11 @@ UNCHECKED_FAMILIES_ENV = "RESHARD_UNCHECKED_FAMILIES"
 
 #: Config fields under which vLLM's loader makes something else of the checkpoint than
 #: the rules model, whatever the family (field -> why): refused even with the opt-in.
+#: One value is modelled: an FP8 block ``quantization_config``
+#: (:mod:`reshard.integrations.vllm_fp8`).
 UNMODELLED_CONFIG_FIELDS = {
-    "quantization_config": "a quantized checkpoint: vLLM's loader keeps quantized weights "
-                           "and scales, the rules map unquantized tensors",
+    "quantization_config": "a quantized checkpoint other than FP8 blocks: vLLM's loader "
+                           "keeps quantized weights and scales the rules do not model",
 }
 
 
@@ -98,11 +103,21 @@ def check_family(config: Any, unchecked_ok: bool = False) -> str:
     # the model's own type: a multimodal wrapper (Gemma 3's "gemma3") is not its text model
     family = str(outer.get("model_type") or "")
     for field, why in UNMODELLED_CONFIG_FIELDS.items():
-        if outer.get(field) or cfg.get(field):
+        value = outer.get(field) or cfg.get(field)
+        if value and not (field == "quantization_config" and is_fp8_block(value)):
             raise MappingError(f"{family or 'this model'}: the config sets {field} ({why}); "
                                "reshard cannot refit it")
-    if family in CHECKED_FAMILIES or unchecked_ok or os.environ.get(
-            UNCHECKED_FAMILIES_ENV) == "1":
+    opted_in = unchecked_ok or os.environ.get(UNCHECKED_FAMILIES_ENV) == "1"
+    quant = outer.get("quantization_config") or cfg.get("quantization_config")
+    if quant and not opted_in:  # an FP8 block checkpoint (the only one modelled)
+        raise MappingError(
+            f"{family or 'this model'}: an FP8 block checkpoint, whose refit into vLLM was "
+            "never checked end to end (vLLM CPU's FP8 block kernels need AMX, and no host "
+            "with it ran tests/integration/test_vllm_fp8.py); its mapping is checked "
+            "against vLLM's loaders. To refit it anyway, pass unchecked_family_ok=True "
+            f"(or set {UNCHECKED_FAMILIES_ENV}=1) and check every refit with "
+            "reshard_verify and against a fresh engine")
+    if family in CHECKED_FAMILIES or opted_in:
         return family
     raise MappingError(
         f"model_type {family or None!r} is not among the families whose refit into vLLM "
@@ -255,20 +270,19 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
     logical = ({n: tuple(s) for n, s in logical_shapes.items()}
                if logical_shapes is not None else None)
     ctx = RuleContext(cfg, tp, dtype_name(dtype), logical)
+    fmt = quant_format(config)
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in names:
         names.pop("lm_head.weight")  # tied: vLLM's lm_head is embed_tokens
     tensors: dict[str, MappedTensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in names.items():
         slot, layout, param_shape = _apply(rules, name, shape, ctx)
-        if shapes.setdefault(slot.param, param_shape) != param_shape:
-            raise MappingError(f"{name}: vLLM parameter {slot.param} would be "
-                               f"{list(param_shape)} here but {list(shapes[slot.param])} for "
-                               "another tensor")
-        if slot.shape(param_shape) != layout.view(0).local_shape:
-            raise MappingError(f"{name}: slot {slot} of {list(param_shape)} does not fit the "
-                               f"rank-local shape {list(layout.view(0).local_shape)}")
-        tensors[name] = MappedTensor(name, shape, slot, layout)
+        fp8 = fmt and fp8_scale_entry(name, slot, layout, param_shape, fmt, logical)
+        if fp8:  # the weight in FP8, and its weight_scale_inv beside it
+            layout, (scale, scale_slot, scale_layout, scale_shape) = fp8
+            _add(tensors, shapes, MappedTensor(scale, scale_layout.shape, scale_slot,
+                                               scale_layout), scale_shape)
+        _add(tensors, shapes, MappedTensor(name, shape, slot, layout), param_shape)
     if logical is not None:
         bad = [(p, s, logical.get(p)) for p, s in shapes.items() if logical.get(p) != s]
         if bad:
@@ -279,6 +293,27 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
                                f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
     _check_filled(tensors, shapes)
     return VllmMapping(tensors, shapes, tp, ctx.dtype)
+
+
+def quant_format(config: Any) -> BlockFormat | None:
+    """The FP8 block format of an FP8 block checkpoint's config (None for an unquantized
+    one): the engine's tensors the trainer quantizes on the way (``docs/fp8.md``)."""
+    cfg = _plain_dict(config)
+    return fp8_format(cfg.get("quantization_config")
+                      or _config_dict(cfg).get("quantization_config"))
+
+
+def _add(tensors: dict[str, MappedTensor], shapes: dict[str, tuple[int, ...]],
+         t: MappedTensor, param_shape: tuple[int, ...]) -> None:
+    slot, layout = t.slot, t.layout
+    if shapes.setdefault(slot.param, param_shape) != param_shape:
+        raise MappingError(f"{t.name}: vLLM parameter {slot.param} would be "
+                           f"{list(param_shape)} here but {list(shapes[slot.param])} for "
+                           "another tensor")
+    if slot.shape(param_shape) != layout.view(0).local_shape:
+        raise MappingError(f"{t.name}: slot {slot} of {list(param_shape)} does not fit the "
+                           f"rank-local shape {list(layout.view(0).local_shape)}")
+    tensors[t.name] = t
 
 
 def unmapped_sides(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]],

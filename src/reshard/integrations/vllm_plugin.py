@@ -27,17 +27,30 @@ engine core, before it schedules anything else:
 
 Cost: the next requests recompute their prefixes once (a cold cache); nothing else.
 The worker extension refuses to meet a trainer in an engine where this plugin is not
-loaded (``VLLM_PLUGINS`` set without ``reshard``): see :func:`require_loaded`.
+loaded (``VLLM_PLUGINS`` set without ``reshard``): see
+:func:`reshard.integrations.vllm_state.require_plugin`.
+
+It also keeps vLLM's weight-transfer protocol (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``: the HTTP routes
+of ``vllm serve``, ``LLM``'s methods, the Ray actors) safe to call in any order: the
+engine core checks each call against the protocol before any worker sees it
+(:class:`ProtocolGuard`) and refuses, with a clear error, a call out of order (finish
+before start, two starts), an unknown field or a background update where the staging
+cannot overlap. A worker that raised would leave vLLM 0.32's executor reading the next
+call's replies as this one's; a refused call reaches no worker, and the engine goes on
+serving as it was. With the ``reshard`` backend the workers never raise: the engine core
+asks them how the call went (:func:`reshard.integrations.vllm_worker.outcome`) and
+raises there, naming the ranks and the cause. And it registers the ``reshard`` backend
+in vLLM's weight-transfer registries (worker and trainer side) in every process.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
-__all__ = ["COMMITTING", "PLUGIN_NAME", "committed", "load", "loaded", "require_loaded"]
+__all__ = ["COMMITTING", "PLUGIN_NAME", "ProtocolGuard", "committed", "load", "loaded"]
 
 log = logging.getLogger("reshard.vllm")
 
@@ -50,20 +63,6 @@ _LOADED = False
 def loaded() -> bool:
     """Whether vLLM loaded this plugin in this process."""
     return _LOADED
-
-
-def require_loaded() -> None:
-    """Refuse to refit an engine whose engine core does not clear its prefix cache at a
-    commit. vLLM loads general plugins in the engine core and in every worker alike, so
-    a worker without the plugin means an engine core without it."""
-    from reshard.errors import ReshardError
-
-    if not _LOADED:
-        raise ReshardError(
-            "reshard's vLLM plugin is not loaded in this engine (VLLM_PLUGINS="
-            f"{os.environ.get('VLLM_PLUGINS')!r}): it clears vLLM's prefix cache at every "
-            "commit, without which requests after a refit read KV computed with the old "
-            f"weights; add {PLUGIN_NAME!r} to VLLM_PLUGINS, or unset it")
 
 
 def committed(method: Any, results: Any) -> int | bool:
@@ -91,11 +90,123 @@ def _after_commit(core: Any, version: Any) -> None:
     log.debug("reshard: prefix cache reset after a commit (version %s)", version)
 
 
+#: The weight-transfer protocol's calls, as the engine core's ``collective_rpc`` sees them.
+PROTOCOL = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+            "finish_weight_update", "shutdown_weight_transfer_engine")
+
+
+class ProtocolGuard:
+    """The weight-transfer protocol's state in one engine core: which calls may come
+    next. ``check`` raises ``ConfigError`` (before any worker is called) for a call out of
+    order or with fields the ``reshard`` backend does not know; ``done`` records a call
+    that went through."""
+
+    def __init__(self, backend: str | None) -> None:
+        self.backend = backend
+        self.initialized = False  # a reshard init that every rank completed
+        self.active = False  # between start_weight_update and finish_weight_update
+        self.staging = "shadow"
+
+    @property
+    def reshard(self) -> bool:
+        return self.backend == "reshard"
+
+    def check(self, method: str, kwargs: dict[str, Any]) -> None:
+        from reshard.errors import ConfigError
+        from reshard.integrations import vllm_worker as w
+
+        if method == "init_weight_transfer_engine" or method == "shutdown_weight_transfer_engine":
+            if self.active:
+                raise ConfigError(f"{method}: a weight update is in progress; call "
+                                 "finish_weight_update first (nothing was changed)")
+            if self.reshard and method == "init_weight_transfer_engine":
+                info = w.parse_fields(w.ReshardInitInfo, kwargs.get("init_info"), method)
+                self.staging = info.staging
+        elif method == "start_weight_update":
+            if self.active:
+                raise ConfigError("start_weight_update: a weight update is already in "
+                                 "progress (two starts); call finish_weight_update first "
+                                 "(nothing was changed)")
+            if self.reshard and not self.initialized:
+                raise ConfigError("start_weight_update: call init_weight_transfer_engine "
+                                 "first, so the engine meets the trainer (nothing was changed)")
+        elif method in ("update_weights", "finish_weight_update"):
+            if not self.active:
+                raise ConfigError(f"{method} before start_weight_update: call "
+                                 "start_weight_update first (nothing was changed)")
+            if self.reshard and method == "update_weights":
+                infos = kwargs.get("update_info")
+                for info in infos if isinstance(infos, list) else [infos]:
+                    parsed = w.parse_fields(w.ReshardUpdateInfo, info, method)
+                    if parsed.background and self.staging != "shadow":
+                        raise ConfigError(
+                            "update_weights: background=True cannot overlap generation "
+                            f"with staging={self.staging!r} (the transfer would write the "
+                            "live weights while they serve); init with staging='shadow' "
+                            "or update with background=False (nothing was changed)")
+
+    def done(self, method: str) -> None:
+        if method == "start_weight_update":
+            self.active = True
+        elif method == "finish_weight_update":
+            self.active = False
+        elif method == "init_weight_transfer_engine":
+            self.initialized = True
+        elif method == "shutdown_weight_transfer_engine":
+            self.initialized = False
+
+
+def _guard(core: Any) -> ProtocolGuard:
+    guard = getattr(core, "_reshard_guard", None)
+    if guard is None:
+        config = getattr(core.vllm_config, "weight_transfer_config", None)
+        guard = core._reshard_guard = ProtocolGuard(getattr(config, "backend", None))
+    return guard
+
+
+def _reshard_call(core: Any, original: Any, method: str, timeout: float | None,
+                  args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A protocol call to the ``reshard`` backend: the workers never raise; their
+    outcome decides, here, whether the call failed."""
+    from reshard.errors import TransferError
+    from reshard.integrations.vllm_worker import failures, outcome
+
+    results = original(core, method, timeout, args, kwargs)
+    if method not in ("init_weight_transfer_engine", "finish_weight_update"):
+        return results
+    reports = original(core, outcome, timeout, (), {})
+    failed = failures(reports)
+    if method == "finish_weight_update":
+        committed_ = [r for r in reports if r and r.get("committed")]
+        if committed_ and not failed:
+            _after_commit(core, committed_[0]["version"])
+    if failed:
+        raise TransferError(f"{method} failed on vLLM rank(s) {[r['rank'] for r in failed]}: "
+                         f"{failed[0]['error']}; the engine serves weight version "
+                         f"{core.get_weight_version()!r} as before")
+    return results
+
+
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
-        results = original(self, method, timeout, args, kwargs)
+        if method in PROTOCOL:
+            guard = _guard(self)
+            guard.check(method, kwargs or {})
+            if guard.reshard:
+                try:
+                    results = _reshard_call(self, original, method, timeout, args,
+                                            kwargs or {})
+                finally:  # the workers ended the session either way
+                    if method == "finish_weight_update":
+                        guard.active = False
+                guard.done(method)
+                return results
+            results = original(self, method, timeout, args, kwargs)
+            guard.done(method)
+        else:
+            results = original(self, method, timeout, args, kwargs)
         version = committed(method, results)
         if version is not False:
             _after_commit(self, version)
@@ -108,6 +219,24 @@ def _wrap(original: Any) -> Any:
     return collective_rpc
 
 
+def _register_backends() -> None:
+    """The ``reshard`` backend in vLLM's weight-transfer registries, loaded lazily."""
+    import contextlib
+
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, module, cls in (
+            (WeightTransferEngineFactory, "reshard.integrations.vllm_worker",
+             "ReshardWeightTransferEngine"),
+            (WeightTransferTrainerFactory, "reshard.integrations.vllm_trainer",
+             "ReshardTrainerEngine")):
+        with contextlib.suppress(ValueError):  # already registered in this process
+            factory.register_engine(PLUGIN_NAME, module, cls)
+
+
 def load() -> None:
     """The plugin's entry point (vLLM calls it once per process; idempotent)."""
     global _LOADED
@@ -115,4 +244,5 @@ def load() -> None:
 
     if not getattr(EngineCore.collective_rpc, "__reshard_wrapped__", False):
         EngineCore.collective_rpc = _wrap(EngineCore.collective_rpc)
+    _register_backends()
     _LOADED = True

@@ -23,7 +23,13 @@ How a refit lands on one rank:
    targets through a shadow of just those targets with ``staging="shadow"``, straight
    into the live weights with ``staging="none"``; it returns only once every rank of
    both jobs has its part, and then copies the shadow over the live weights.
-3. Commit of the buffered parameters, through vLLM's layerwise reload:
+3. Commit of the buffered parameters. vLLM CPU's packed GEMMs (unquantized linear
+   layers and LM heads: most of the bytes) are processed in place: each module is lent
+   its buffer and reruns vLLM's own ``process_weights_after_loading`` (the GEMM
+   packing; the old packed copy is dropped first), then gets its own parameters back,
+   one module at a time (``vllm_internals.process_in_place``); an embedding beside an
+   LM head of its own is written in place and its packed GEMM copy, which nothing
+   reads, is not remade. The rest goes through vLLM's layerwise reload:
    ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
    meta device); each logical buffer is copied whole into its parameter through the
    layer's deferred loader; when a layer is complete vLLM materializes it, reruns
@@ -68,9 +74,13 @@ from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ReshardError
 from reshard.integrations.vllm_internals import (
     derived_buffers,
+    direct_modules,
+    has_own_lm_head,
     kept_live,
     logical_params,
     packed_gemm_mismatches,
+    params_held,
+    process_in_place,
     quiet_reload,
     refuse_unreloadable,
     reset_moe_kernels,
@@ -79,6 +89,8 @@ from reshard.integrations.vllm_internals import (
     return_freed_memory,
     rss_bytes,
     snapshot_loaders,
+    stand_in,
+    take_over,
     tied_aliases,
 )
 from reshard.integrations.vllm_mapping import (
@@ -86,11 +98,30 @@ from reshard.integrations.vllm_mapping import (
     VllmMapping,
     check_family,
     hf_to_vllm,
+    quant_format,
     unmapped_sides,
 )
-from reshard.integrations.vllm_plugin import require_loaded as require_plugin
 
-__all__ = ["ReshardState", "map_or_explain"]
+__all__ = ["ReshardState", "map_or_explain", "require_plugin"]
+
+PLUGIN_MODULE = "reshard.integrations.vllm_plugin"
+
+
+def require_plugin() -> None:
+    """Refuse to refit an engine whose engine core does not clear its prefix cache at a
+    commit. vLLM loads general plugins in the engine core and in every worker alike, so
+    a worker without the plugin means an engine core without it. (Read through
+    ``sys.modules``: vLLM imported the plugin's module if it loaded it, and this module
+    sits below it.)"""
+    import os
+    import sys
+
+    if not getattr(sys.modules.get(PLUGIN_MODULE), "_LOADED", False):
+        raise ReshardError(
+            "reshard's vLLM plugin is not loaded in this engine (VLLM_PLUGINS="
+            f"{os.environ.get('VLLM_PLUGINS')!r}): it clears vLLM's prefix cache at every "
+            "commit, without which requests after a refit read KV computed with the old "
+            "weights; add 'reshard' to VLLM_PLUGINS, or unset it")
 
 
 def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
@@ -151,7 +182,7 @@ class ReshardState:
             raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
                                f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
         self.model, self.vllm_config, self.rank = model, vllm_config, rank
-        self.inference_size = inference_size
+        self.inference_size, self.timeout_s = inference_size, timeout_s
         self.where = logical_params(model)
         self.aliases = tied_aliases(model, self.where)
         self.derived = derived_buffers(model, self.where)
@@ -165,13 +196,23 @@ class ReshardState:
         common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
                       inference_size=inference_size, staging=staging,
                       budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s),
-                      token=token)
+                      token=token,
+                      quant=quant_format(vllm_config.model_config.hf_config))
         if hf_tensors is not None:  # told by the caller
             targets, layouts, direct = self._prepare(hf_tensors)
             self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
         else:  # learnt from the trainer at the meeting
             self.receiver = RefitReceiver(prepare=self._prepare_from, **common)
         self.created = time.monotonic()
+        # forward passes of this rank's model: a swap records the count it happened at,
+        # so every TP rank can be shown to swap between the same two forward passes
+        self.forwards = 0
+        self._counting = model.register_forward_pre_hook(self._count_forward)
+        self.prepared: dict[str, torch.nn.Module] = {}  # module -> its stand-in (prepare)
+        self.prepare_seconds = 0.0
+
+    def _count_forward(self, module: Any, args: Any) -> None:
+        self.forwards += 1
 
     def _prepare_from(self, trainer: Mapping[str, Any]) -> tuple[dict, dict, list[str]]:
         return self._prepare({name: layout.shape for name, layout in trainer.items()})
@@ -200,11 +241,35 @@ class ReshardState:
         self.live = {n: self._param(n).data for n in sorted(self.live_names)}
         self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
                         if n not in self.live_names}
+        self.direct = self._direct_modules()
         self.expected_bytes = self.mapping.shard_bytes(self.rank)
         slots = self.mapping.slots(self.rank)
         targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
         return targets, self.mapping.layouts, [h for h, s in slots.items()
                                                 if s.param in self.buffers]
+
+    def _direct_modules(self) -> dict[str, list[str]]:
+        """Module -> its buffered parameters, for the modules a commit processes in place
+        (``vllm_internals.direct_modules``: vLLM CPU's packed GEMMs); a tied tensor only
+        where every module holding it keeps it whole (an embedding and its LM head)."""
+        derived = {n for _, n in self.derived}
+        tied_packed = {n for n in self.aliases if any(
+            getattr(self.model.get_submodule(m) if m else self.model, a).numel() == 0
+            for m, a in [self.where[n][:2], *self.aliases[n]])}
+        excluded = set(self.mapping.converts) | derived | tied_packed
+        out = direct_modules(self.model, self.where, list(self.buffers), excluded)
+        for name, holders in self.aliases.items():  # the other holders go with the owner
+            mname = self.where[name][0]
+            if mname in out and not all(self._packs_only(m, a) for m, a in holders):
+                del out[mname]
+        return out
+
+    def _packs_only(self, mname: str, attr: str) -> bool:
+        module = self.model.get_submodule(mname) if mname else self.model
+        shape = tuple(getattr(module, attr).shape)
+        return attr == "weight" and params_held(module) == {"weight"} and bool(
+            direct_modules(self.model, {f"{mname}.{attr}": (mname, attr, shape, None)},
+                           [f"{mname}.{attr}"]))
 
     def _param(self, name: str) -> torch.Tensor:
         mname, attr, _, _ = self.where[name]
@@ -237,8 +302,9 @@ class ReshardState:
         layerwise reload behaves (traced per reloaded parameter with ``VmRSS``, see
         ``benchmarks/engine_memory.py``):
 
-        * a repacked linear (GEMM) keeps its old packed kernel until the reload ends, so
-          every such buffer is held twice;
+        * a repacked linear (GEMM) committed through layerwise reload keeps its old
+          packed kernel until the reload ends, so every such buffer is held twice; one
+          processed in place (:attr:`direct`) frees it before the new one is made;
         * MoE experts lose their old prepacked copy when the commit resets the expert
           kernel (:func:`reset_moe_kernels`), and each expert module, when reloaded,
           holds its materialized weights and the new prepacked copy at once;
@@ -249,6 +315,8 @@ class ReshardState:
             mname, n = self.where[name][0], buf.numel() * buf.element_size()
             module = self.model.get_submodule(mname) if mname else self.model
             experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
+            if mname in self.direct:
+                continue
             kept += 0 if experts else n
             per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
         return kept + max(per_module.values(), default=0)
@@ -258,14 +326,22 @@ class ReshardState:
         ``staging="none"`` failed midway; the next complete refit clears it)."""
         return {"rank": self.rank, "version": self.version, "stale": self.stale}
 
-    def receive(self) -> dict[str, Any]:
+    def receive(self, go_live: bool = True, prepare: bool = False) -> dict[str, Any]:
         """RefitReceiver.refit() into the logical buffers; raises on failure (nothing
-        committed, ``last`` says why)."""
+        committed, ``last`` says why). With ``go_live=False`` nothing of the live model
+        is written (the in-place parameters wait in the shadow): the engine may go on
+        generating while this runs in a background thread; :meth:`swap` makes it live.
+        ``prepare``: :meth:`prepare` too, before this rank confirms its part (so the
+        trainer's send returns when the version is ready to swap)."""
         t0 = time.perf_counter()
         self.measured_peak = reset_peak_rss()  # this refit's own peak
         rss_start = rss_bytes() - self.rss_at_init
+        forward_at_start = self.forwards
+        self.prepared = {}  # made for a version that never went live: gone
         try:
-            stats = self.receiver.refit()
+            self.prepare_seconds = 0.0
+            stats = self.receiver.refit(go_live=go_live,
+                                        ready=self.prepare if prepare else None)
         except Exception as e:
             # with staging="none" the live in-place weights may hold part of the new version
             self.stale = self.stale or (self.staging == "none" and bool(self.live))
@@ -278,25 +354,110 @@ class ReshardState:
                      "bytes_sent": stats.bytes_sent, "rounds": stats.rounds,
                      "expected_bytes": self.expected_bytes, "committed": False,
                      "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
-                     "peak_rss_extra_receive": self._peak_extra()}
+                     "peak_rss_extra_receive": self._peak_extra(),
+                     "forwards_during_receive": self.forwards - forward_at_start,
+                     "prepare_seconds": self.prepare_seconds}
         return self.last
 
     @torch.no_grad()
-    def commit(self) -> float:
-        """Copy the logical buffers into the live model through vLLM's layerwise reload."""
-        import vllm.model_executor.model_loader.reload.layerwise as lw
+    def prepare(self) -> float:
+        """After ``receive(go_live=False)``, beside the serving engine (the background
+        thread of an overlapped refit): run vLLM's processing of the packed GEMMs
+        (:attr:`direct`) on stand-ins of their modules -- copies that share nothing
+        the engine reads -- so that :meth:`swap` only hands each module its new packed
+        copy. Costs, until the swap, one more packed copy of those modules (about what
+        the rank received of them). Returns the seconds it took."""
         from vllm.config import set_current_vllm_config
 
         t0 = time.perf_counter()
+        self.prepared = {}
+        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
+        with set_current_vllm_config(self.vllm_config):
+            for mname, names in self.direct.items():
+                module = self.model.get_submodule(mname) if mname else self.model
+                if type(module).__name__ in unread:
+                    continue  # written in place at the swap
+                standin = stand_in(module)
+                process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
+                self.prepared[mname] = standin
+                for name in names:  # a tied tensor's other holders pack the new weight too
+                    for alias, attr in self.aliases.get(name, []):
+                        holder = self.model.get_submodule(alias)
+                        if type(holder).__name__ in unread:
+                            continue
+                        other = stand_in(holder)
+                        other._parameters[attr] = standin._parameters[self.where[name][1]]
+                        process_in_place(other, {})
+                        self.prepared[alias] = other
+        self.prepare_seconds = time.perf_counter() - t0
+        return self.prepare_seconds
+
+    def swap(self) -> float:
+        """Make the version received with ``receive(go_live=False)`` live: the shadow of
+        the in-place parameters over them, then :meth:`commit` (with the modules
+        :meth:`prepare` made, only their new packed copies handed over). Runs in the
+        worker's own thread between two forward passes (a worker RPC), never beside one."""
+        t0 = time.perf_counter()
+        self.receiver.go_live()
+        shadow = time.perf_counter() - t0
+        seconds = self.commit()
+        self.last.update(shadow_seconds=shadow, swap_seconds=time.perf_counter() - t0)
+        return seconds
+
+    @torch.no_grad()
+    def commit(self) -> float:
+        """Make the logical buffers live: vLLM CPU's packed GEMMs (linear layers, LM
+        heads) processed in place (:meth:`_commit_direct`), everything else through
+        vLLM's layerwise reload (:meth:`_commit_reload`)."""
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            self._commit_direct()
+            self._commit_reload({n: b for n, b in self.buffers.items()
+                                 if self.where[n][0] not in self.direct})
+        return self._committed(t0)
+
+    def _commit_direct(self) -> None:
+        """Each module of :attr:`direct` gets its buffers and reruns vLLM's processing
+        after loading (``vllm_internals.process_in_place``); the other holders of a tied
+        tensor are processed with it, except an embedding beside an LM head of its own,
+        whose packed GEMM copy nothing reads (the embedding lookup reads its weight)."""
+        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
+        prepared, self.prepared = self.prepared, {}
+        written: set[int] = set()  # storages a hand-over wrote (a tied weight: once)
+        for mname, names in self.direct.items():
+            module = self.model.get_submodule(mname) if mname else self.model
+            logical = {self.where[n][1]: self.buffers[n] for n in names}
+            if mname in prepared:  # processed beside the engine: hand it over
+                take_over(module, prepared[mname], written)
+            elif type(module).__name__ in unread:
+                for attr, tensor in logical.items():  # read as loaded: in place is all
+                    getattr(module, attr).data.copy_(tensor)
+            else:
+                process_in_place(module, logical)
+            for name in names:
+                for alias, _ in self.aliases.get(name, []):
+                    holder = self.model.get_submodule(alias)
+                    if alias in prepared:
+                        take_over(holder, prepared[alias], written)
+                    elif type(holder).__name__ not in unread:
+                        process_in_place(holder, {})  # its weight is the one just written
+
+    def _commit_reload(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Copy ``buffers`` into the live model through vLLM's layerwise reload."""
+        import vllm.model_executor.model_loader.reload.layerwise as lw
+
+        if not buffers:
+            return
         model = self.model
-        if not self.buffers:  # every parameter was written in place
-            return self._committed(t0)
         saved = snapshot_loaders(model.parameters())
-        with set_current_vllm_config(self.vllm_config), quiet_reload(model, self.live_names):
+        kept = self.live_names | {n for n in self.buffers if n not in buffers}
+        with quiet_reload(model, kept):
             reset_moe_kernels(model)
             lw.initialize_layerwise_reload(model)
             try:
-                for name, buf in self.buffers.items():
+                for name, buf in buffers.items():
                     # a tied tensor is loaded into every module holding it, so that each
                     # reprocesses its own copy (the LM head's GEMM)
                     for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
@@ -313,15 +474,15 @@ class ReshardState:
                 lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
                 restore_loaders(saved)
             for buffer, name in self.derived:  # views a reload leaves on the old storage
-                if name in self.buffers:
-                    buffer.copy_(self.buffers[name].view(buffer.shape))
-        return self._committed(t0)
+                if name in buffers:
+                    buffer.copy_(buffers[name].view(buffer.shape))
 
     def _committed(self, t0: float) -> float:
         return_freed_memory()
         seconds = time.perf_counter() - t0
         self._version, self.stale = self.receiver.version, False
         self.last.update(committed=True, commit_seconds=seconds, stale=False,
+                         swap_forward=self.forwards,
                          peak_rss_extra=self._peak_extra(),
                          rss_extra=rss_bytes() - self.rss_at_init)
         return seconds
@@ -430,6 +591,7 @@ class ReshardState:
         return logical if how is None else _converted(how, logical).to(self.where[name][3])
 
     def close(self) -> None:
+        self._counting.remove()
         self.receiver.comm.close()
 
 
@@ -438,6 +600,8 @@ def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
     checkpoint form (a bias it turned to float32), the same through an exact cast both
     ways."""
     if held.dtype == logical.dtype:
+        if held.element_size() == 1 and held.is_floating_point():  # FP8: no torch.equal
+            return torch.equal(held.view(torch.uint8), logical.view(torch.uint8))
         return torch.equal(held, logical)
     return (torch.equal(held, logical.to(held.dtype)) and
             torch.equal(held.to(logical.dtype), logical))

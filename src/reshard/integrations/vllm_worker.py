@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +22,12 @@ from typing import Any
 import torch
 
 from reshard.defaults import DEFAULT_BUDGET_BYTES
-from reshard.errors import ReshardError
+from reshard.errors import ConfigError, ReshardError
 from reshard.integrations.vllm_state import ReshardState
 
 __all__ = [
     "BACKEND", "ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
-    "ReshardWorkerExtension", "collective", "register",
+    "ReshardWorkerExtension", "collective", "failures", "outcome", "parse_fields", "register",
 ]
 
 log = logging.getLogger("reshard.vllm")
@@ -201,13 +203,58 @@ class ReshardInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Nothing per round: the plan was agreed at init, the version comes from the
-    trainer."""
+    """Per round, only how the version is received (the plan was agreed at init, the
+    version comes from the trainer): ``background=True`` returns at once and receives in
+    a thread of each worker while the engine goes on generating (overlapped refit; needs
+    ``staging="shadow"``); ``False`` receives before returning (the engine core, and with
+    it generation, waits). Either way nothing reaches the live weights before
+    ``finish_weight_update``, which swaps the whole version in on every rank between the
+    same two forward passes."""
+
+    background: bool = False
+
+
+def parse_fields(cls: type, info: Any, method: str) -> Any:
+    """``cls(**info)``, or a ``ConfigError`` naming the fields ``cls`` does not know."""
+    import dataclasses
+
+    if info is None:
+        info = {}
+    if not isinstance(info, Mapping):
+        raise ConfigError(f"{method}: expected a JSON object of fields, got "
+                         f"{type(info).__name__} (nothing was changed)")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(info) - set(known))
+    if unknown:
+        raise ConfigError(f"{method}: unknown field(s) {unknown} for the reshard backend; "
+                         f"it knows {known} (nothing was changed)")
+    try:
+        return cls(**info)
+    except TypeError as e:  # a required field missing
+        raise ConfigError(f"{method}: {e} (nothing was changed)") from None
+
+
+def outcome(worker: Any) -> dict[str, Any] | None:
+    """Run on every worker by the engine core (the plugin) after a protocol call: how
+    this rank's reshard backend fared (``None`` where another backend is configured)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine.report() if isinstance(engine, ReshardWeightTransferEngine) else None
+
+
+def failures(reports: Sequence[Any]) -> list[dict[str, Any]]:
+    """The reports of :func:`outcome` that say a rank failed."""
+    return [r for r in reports if isinstance(r, dict) and not r.get("ok", True)]
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     """``weight_transfer_config={"backend": "reshard"}``: init meets the trainer,
-    ``update_weights`` receives, ``finish_weight_update`` commits."""
+    ``update_weights`` receives (in the background with ``background=True``),
+    ``finish_weight_update`` swaps the version in and commits.
+
+    No method raises into vLLM (a worker that raised would desynchronize vLLM 0.32's RPC
+    replies): each records its outcome (:meth:`report`), which the reshard vLLM plugin
+    reads in the engine core after the call and turns into the call's error there. A
+    refit that failed commits nothing: the previous version stays live, and serving."""
 
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
@@ -217,49 +264,106 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         super().__init__(config, vllm_config, device, model)
         self.state: ReshardState | None = None
         self.received: dict[str, Any] | None = None
+        self.thread: threading.Thread | None = None
+        self.outcome: dict[str, Any] = {"ok": True, "rank": self.parallel_config.rank}
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        log.error("reshard: %s failed on rank %s: %s: %s", what, self.parallel_config.rank,
+                  type(e).__name__, e)
+        self.outcome = {"ok": False, "rank": self.parallel_config.rank,
+                        "raised": type(e).__name__, "error": f"{type(e).__name__}: {e}"}
 
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
-        if self.state is not None:
-            self.state.close()
-            self.state = None
+        self._drop()
         pc = self.parallel_config
-        self.state = ReshardState(
-            self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
-            host=init_info.master_address, port=init_info.master_port,
-            trainer_size=init_info.trainer_size, staging=init_info.staging,
-            budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
-            timeout_s=init_info.timeout_s, unchecked_family_ok=init_info.unchecked_family_ok,
-            token=init_info.token)
+        self.outcome = {"ok": True, "rank": pc.rank}
+        try:
+            self.state = ReshardState(
+                self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
+                host=init_info.master_address, port=init_info.master_port,
+                trainer_size=init_info.trainer_size, staging=init_info.staging,
+                budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
+                timeout_s=init_info.timeout_s,
+                unchecked_family_ok=init_info.unchecked_family_ok, token=init_info.token)
+            self.outcome.update(self.state.info())
+        except Exception as e:
+            self._failed("init_weight_transfer_engine", e)
 
     def start_weight_update(self) -> None:
-        self.received = None
+        self.received, self.thread = None, None
+        self.outcome = {"ok": True, "rank": self.parallel_config.rank}
 
     def update_weights(self, update_info: Any) -> None:
         # the base class synchronizes the accelerator, which raises on CPU-only torch
         self.receive_weights(self.parse_update_info(update_info or {}))
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        """Receive into the logical buffers. A failed refit does not raise (see
-        :func:`_reported`: raising on every worker desynchronizes vLLM 0.32's RPC
-        replies); it is logged, ``reshard_last`` reports it, and the following
-        ``finish_weight_update`` commits nothing, so the previous version stays live."""
+        """Receive the next version into staging (the logical buffers and the shadow of
+        the in-place parameters): at once, or in a thread with ``background``."""
         if self.state is None:
-            raise ReshardError("init_weight_transfer_engine first")
+            self._failed("update_weights", ReshardError("init_weight_transfer_engine first"))
+            return
+        if update_info.background:
+            self.thread = threading.Thread(target=self._receive, name="reshard-receive",
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self._receive()
+
+    def _receive(self) -> None:
+        """Receive, then prepare the packed GEMMs beside the engine
+        (:meth:`ReshardState.prepare`), so that the swap is short."""
         try:
-            self.received = self.state.receive()
-        except Exception:
-            log.exception("reshard: refit failed; the previous weights stay live")
+            self.received = self.state.receive(go_live=False, prepare=True)
+        except Exception as e:
             self.received = None
+            self.state.prepared = {}
+            self._failed("the refit's receive", e)
 
     def finish_weight_update(self) -> None:
-        if self.state is not None and self.received is not None:
-            self.state.commit()
+        """Swap the version received whole into the live model (between two forward
+        passes: this is a worker RPC, in the worker's own thread) and commit it."""
+        t0 = time.perf_counter()
+        try:
+            self._finish()
+        finally:  # how long this rank kept the engine from its next step
+            seconds = time.perf_counter() - t0
+            self.outcome["finish_seconds"] = seconds
+            if self.state is not None:  # and in reshard_last
+                self.state.last["finish_seconds"] = seconds
+
+    def _finish(self) -> None:
+        if self.thread is not None:  # the trainer's send returned: this ends at once
+            self.thread.join(timeout=self.state.timeout_s)
+            if self.thread.is_alive():
+                self._failed("finish_weight_update", ReshardError(
+                    "the background receive is still running; call finish_weight_update "
+                    "after every trainer rank's send returned"))
+                return
+            self.thread = None
+        if self.state is not None and self.received is not None and self.outcome["ok"]:
+            try:
+                self.state.swap()
+                self.outcome = {"ok": True, **self.state.last}
+            except Exception as e:
+                self._failed("the swap", e)
         self.received = None
 
-    def shutdown(self) -> None:
+    def report(self) -> dict[str, Any]:
+        """The outcome of the last protocol call on this rank (:func:`outcome`)."""
+        version = self.state.version if self.state is not None else None
+        return {**self.outcome, "live_version": version}
+
+    def _drop(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=self.state.timeout_s)
+            self.thread = None
         if self.state is not None:
             self.state.close()
             self.state = None
+
+    def shutdown(self) -> None:
+        self._drop()
 
 
 def register() -> None:

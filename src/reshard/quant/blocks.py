@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 from reshard.errors import Fp8BlockError, LayoutError
@@ -127,6 +128,7 @@ def block_box(offset: tuple[int, ...], size: tuple[int, ...], block: tuple[int, 
     return (r0, r1 - r0, c0, c1 - c0)
 
 
+@lru_cache(maxsize=4096)  # a model repeats a few layouts (every layer, every expert)
 def scale_layout(layout: Layout, block: tuple[int, int]) -> Layout:
     """Who holds which scales, as a float32 layout of the scale grid: each rank the
     blocks whose first element it holds (one owner per block, or replicas of one; a
@@ -166,20 +168,32 @@ def _tensor_blocks(name: str, layout: Layout, block: tuple[int, int]) -> TensorB
     if len(layout.shape) != 2:
         raise Fp8BlockError(f"tensor {name!r}: FP8 block quantization needs a 2-D tensor, got "
                             f"shape {list(layout.shape)}")
+    return TensorBlocks(name, layout.shape, block, *_grid_parts(layout, block))
+
+
+@lru_cache(maxsize=4096)
+def _grid_parts(layout: Layout, block: tuple[int, int]):
+    """(the block box of each piece of each rank, the shared blocks) of a layout."""
     boxes = tuple((r, tuple(block_box(p.offset, p.size, block) for p in layout.view(r).pieces))
                   for r in layout.ranks)
-    return TensorBlocks(name, layout.shape, block, boxes, _shared(layout, block))
+    return boxes, _shared(layout, block)
 
 
 def _shared(layout: Layout, block: tuple[int, int]) -> tuple[SharedBlock, ...]:
     """Blocks touched by two or more ranks, one of which holds only part of the block.
-    Only blocks on a piece's edge can be held in part, so only those are looked at."""
+    Only blocks on a piece's edge can be held in part, so only those are looked at, and
+    for each only the pieces whose block box holds it."""
     pieces = [(r, p) for r in layout.ranks for p in layout.view(r).pieces if p.numel]
     edges = sorted({b for _, p in pieces for b in _edge_blocks(p, layout.shape, block)})
+    by_row: dict[int, list] = {}
+    for r, p in pieces:
+        br0, nbr, _, _ = block_box(p.offset, p.size, block)
+        for i in range(br0, br0 + nbr):
+            by_row.setdefault(i, []).append((r, p))
     out = []
     for b in edges:
         parts: dict[int, set] = {}
-        for r, p in pieces:
+        for r, p in by_row.get(b[0], ()):
             part = _part(p, b, block)
             if part is not None:
                 parts.setdefault(r, set()).add(part)
@@ -258,12 +272,23 @@ def check_engine_split(name: str, layout: Layout, block: tuple[int, int] = (128,
     """Refuse what vLLM refuses when it loads an FP8 block checkpoint TP-split: a rank's
     output size (rows) or input size (cols) that is split and not a multiple of the
     block (``validate_fp8_block_shape``)."""
+    bad = _bad_split(layout, block)
+    if bad is not None:
+        r, dim, local = bad
+        what = ("output size (rows)", "input size (cols)")[dim]
+        raise Fp8BlockError(
+            f"tensor {name!r}: engine rank {r} holds an {what} of {local} of "
+            f"{layout.shape[dim]}, not a multiple of the FP8 block's {block[dim]}; "
+            f"vLLM refuses to load such a split (block {list(block)}, shape "
+            f"{list(layout.shape)})")
+
+
+@lru_cache(maxsize=4096)
+def _bad_split(layout: Layout, block: tuple[int, int]) -> tuple[int, int, int] | None:
+    """(rank, dim, its size) of the first split vLLM refuses, or None."""
     for r in layout.ranks:
         local = layout.view(r).local_shape
-        for dim, what in ((0, "output size (rows)"), (1, "input size (cols)")):
+        for dim in (0, 1):
             if local[dim] != layout.shape[dim] and local[dim] % block[dim]:
-                raise Fp8BlockError(
-                    f"tensor {name!r}: engine rank {r} holds an {what} of {local[dim]} of "
-                    f"{layout.shape[dim]}, not a multiple of the FP8 block's {block[dim]}; "
-                    f"vLLM refuses to load such a split (block {list(block)}, shape "
-                    f"{list(layout.shape)})")
+                return r, dim, local[dim]
+    return None

@@ -77,7 +77,7 @@ def _cast(blocks: Any, scale: Any) -> Any:
     import torch
 
     scaled = blocks * (1.0 / scale[:, None, :, None])
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _padded(data: Any, p: Piece, box: BlockBox, block: tuple[int, int]) -> Any:

@@ -11,6 +11,7 @@ from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError
 from reshard.gate import resolve_key
 from reshard.layout import Layout
+from reshard.quant.blocks import BlockFormat
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side
 
@@ -31,6 +32,7 @@ class RefitReceiver(Side):
     as the vLLM integration does, needs nothing else from the caller)."""
 
     direct: frozenset[str] = frozenset()  # targets the caller stages itself (no shadow)
+    received: int | None = None  # a version received whole, not live yet (go_live)
 
     def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
                  layouts: Mapping[str, Layout] | None = None, *,
@@ -42,11 +44,15 @@ class RefitReceiver(Side):
                  connect_timeout: timedelta | None = None,
                  checksum: bool | str | None = None, token: str | bytes | None = None,
                  listen: str | None = None,
-                 direct: Collection[str] = (), prepare: Prepare | None = None) -> None:
+                 direct: Collection[str] = (), prepare: Prepare | None = None,
+                 quant: BlockFormat | None = None) -> None:
         """The timeouts, ``checksum`` and ``token`` are as for :class:`RefitSender`. ``direct``:
         names whose targets are not live memory but the caller's own staging (buffers it
         commits itself once :meth:`refit` returned, as the vLLM integration's logical
-        buffers): written straight even with ``staging="shadow"``, never shadowed."""
+        buffers): written straight even with ``staging="shadow"``, never shadowed.
+        ``quant``: the FP8 block format of targets whose layout is ``float8_e4m3fn``
+        (each with a float32 scale target ``<name>_scale_inv``); the trainer quantizes
+        them on the way, shard by shard (``docs/fp8.md``)."""
         if staging not in ("shadow", "none"):
             raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
         if (prepare is None) == (targets is None or layouts is None) or (
@@ -59,7 +65,7 @@ class RefitReceiver(Side):
                          inference_size=inference_size, backend=backend,
                          layouts=layouts if prepare is None else self._preparing(prepare),
                          timeout=connect_timeout or timeout, token=resolve_key(token),
-                         listen=listen)
+                         listen=listen, quant=quant)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)
@@ -104,13 +110,34 @@ class RefitReceiver(Side):
                     if name not in self.direct:
                         live.copy_(self.shadow[name])
 
-    def refit(self) -> RefitStats:
+    def refit(self, go_live: bool = True, ready: Callable[[], None] | None = None
+              ) -> RefitStats:
         """Receive the next weight version; on success it is live (``direct`` targets:
-        written, for the caller to commit) and ``version`` is set."""
-        stats = self._move({}, self.shadow, None)
-        self._go_live()
-        self.version = stats.version
+        written, for the caller to commit) and ``version`` is set. With ``go_live=False``
+        (``staging="shadow"`` only) the version waits whole in the shadow until
+        :meth:`go_live`: a receive that may run beside readers of the live weights (an
+        engine generating while the next version arrives in the background).
+        ``ready()`` runs once this rank's part arrived whole, before it confirms it (the
+        senders' ``refit`` returns after it on every rank); if it raises, the version
+        fails on every rank of both jobs."""
+        if not go_live and self.staging != "shadow":
+            raise ConfigError("refit(go_live=False) needs staging='shadow': with "
+                              "staging='none' the transfer writes the live weights")
+        stats = self._move({}, self.shadow, None, ready)
+        self.received = stats.version
+        if go_live:
+            self.go_live()
         return stats
+
+    def go_live(self) -> int:
+        """Copy the last version received whole over the live targets (after
+        ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""
+        if self.received is None:
+            raise ConfigError("go_live: no version was received whole since the last one "
+                              "went live")
+        self._go_live()
+        self.version, self.received = self.received, None
+        return self.version
 
     def reconnect(self, host: str, port: int, *, rank: int | None = None,
                   inference_size: int | None = None, timeout: timedelta | None = None,

@@ -5,6 +5,10 @@ meeting, the sides join one stateless process group (trainer ranks first, infere
 ranks after them: the rank offset), exchange their layouts through the store, and every
 rank builds the same plan. A plan fingerprint is compared on every rank before any
 weight moves; if any rank disagrees, every rank raises ``FingerprintMismatchError``.
+
+An inference side that serves tensors in FP8 blocks says so with ``quant`` (its block
+format): every rank then plans the quantization too (:mod:`reshard.quant.targets`),
+and a split the engine could not load is refused on every rank of both jobs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from reshard.errors import FingerprintMismatchError, PlanError, ReshardError, er
 from reshard.gate import AuthError, Key, resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
+from reshard.quant.blocks import BlockFormat
+from reshard.quant.targets import Fp8Refit, plan_fp8_refit
 from reshard.store import refusals
 
 __all__ = ["Meeting", "meet", "meeting_digest_key"]
@@ -40,6 +46,8 @@ class Meeting:
     offset: int
     digest_key: bytes | None = None
     """With a token: the key of this meeting's message digests (fresh per meeting)."""
+    fp8: Fp8Refit | None = None
+    """The tensors quantized to FP8 blocks on the way (an engine that asked for it)."""
 
 
 #: What an inference side may give instead of its layouts: a function of the trainer's
@@ -59,14 +67,16 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
          inference_size: int, layouts: Mapping[str, Layout] | LayoutsFromTrainer,
          backend: str = "gloo", allow_cast: bool = True,
          timeout: timedelta = timedelta(minutes=5), token: str | bytes | Key | None = None,
-         listen: str | None = None) -> Meeting:
+         listen: str | None = None, quant: BlockFormat | None = None) -> Meeting:
     """Join the weight-update group and agree on a plan; collective over both jobs.
 
     ``layouts`` use this side's own rank numbers; the trainer's rank 0 hosts the store.
     The inference side may pass a function of the trainer's layouts instead (it learns
     the trainer's tensor names, shapes and dtypes at the meeting, before the group
     forms); if it raises a :class:`reshard.ReshardError`, every rank of both jobs raises
-    the same error class with its message, and nothing moves.
+    the same error class with its message, and nothing moves. ``quant`` (inference
+    side only): the block format of the engine's FP8 tensors (those whose layout is
+    ``float8_e4m3fn`` while the trainer's is not), which the trainer quantizes on the way.
 
     ``token`` (else ``$RESHARD_TOKEN``): only ranks holding the same token meet, and
     every message of the refits is checked with a key derived from it; ``listen``: the
@@ -78,6 +88,9 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     if trainer_size < 1 or inference_size < 1:
         raise PlanError(f"trainer_size and inference_size must be >= 1, got {trainer_size} "
                         f"and {inference_size}")
+    if side == "trainer" and quant is not None:
+        raise PlanError("quant is the inference side's to give (its FP8 block format); "
+                        "the trainer learns it at the meeting")
     if side == "trainer" and callable(layouts):
         raise PlanError("the trainer side gives its layouts as a mapping name -> Layout; "
                         "only the inference side may derive its own from the trainer's")
@@ -101,15 +114,20 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
         trainer_layouts = _read_layouts(store, "trainer", timeout)
         mine = _own_layouts(layouts, offset, trainer_layouts)
     comm = Comm.from_existing_store(store, rank, world, backend=backend, timeout=timeout)
-    if side == "inference" and side_rank == 0:
+    if side == "inference" and side_rank == 0:  # the format first: read once layouts are
+        comm.store.set("reshard/quant/inference", pickle.dumps(quant))
         comm.store.set("reshard/layouts/inference", pickle.dumps(mine))
-    theirs = (trainer_layouts if side == "inference"
-              else _read_layouts(comm.store, "inference", timeout))
-    the_plan, fingerprint, problem = _plan_or_problem(mine, theirs, side, allow_cast)
+    if side == "inference":
+        theirs = trainer_layouts
+    else:
+        theirs = _read_layouts(comm.store, "inference", timeout)
+        quant = pickle.loads(comm.store.get("reshard/quant/inference"))
+    the_plan, fp8, fingerprint, problem = _plan_or_problem(
+        mine, theirs, side, allow_cast, quant, trainer_size)
     views = comm.all_gather_object((rank, fingerprint, problem))
     _agree(views)
     assert the_plan is not None
-    return Meeting(comm, the_plan, rank, side, offset, digest_key)
+    return Meeting(comm, the_plan, rank, side, offset, digest_key, fp8)
 
 
 def meeting_digest_key(store, key: Key | None, host: bool, timeout: timedelta) -> bytes | None:
@@ -141,16 +159,20 @@ def _own_layouts(layouts: Mapping[str, Layout] | LayoutsFromTrainer, offset: int
         return _Refused(type(e).__name__, str(e))
 
 
-def _plan_or_problem(mine, theirs, side: str, allow_cast: bool):
+def _plan_or_problem(mine, theirs, side: str, allow_cast: bool, quant: BlockFormat | None,
+                     trainer_size: int):
+    """``(plan, fp8 part, fingerprint, None)``, or ``(None, None, None, (error class
+    name, message))``."""
     refused = next((x for x in (mine, theirs) if isinstance(x, _Refused)), None)
     if refused is not None:
-        return None, None, (refused.kind, refused.message)
+        return None, None, None, (refused.kind, refused.message)
     src, dst = (mine, theirs) if side == "trainer" else (theirs, mine)
     try:
+        src, fp8 = plan_fp8_refit(src, dst, quant, tuple(range(trainer_size)), trainer_size)
         the_plan = plan(src, dst, allow_cast=allow_cast)
-        return the_plan, the_plan.fingerprint(), None
-    except PlanError as e:
-        return None, None, ("PlanError", str(e))
+        return the_plan, fp8, the_plan.fingerprint(), None
+    except ReshardError as e:
+        return None, None, None, (type(e).__name__, str(e))
 
 
 def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str],

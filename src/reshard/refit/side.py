@@ -23,6 +23,11 @@ restarted worker joins with a fresh receiver) and rebuilds plans and executors w
 keeping the current version. ``checksum`` sends a digest of every message and fails the
 refit cleanly on corruption; with a token (``docs/security.md``) it is on by default,
 keyed (``"hmac"``), so a message nobody with the token sent never goes live.
+
+FP8 engines (``docs/fp8.md``): when the meeting planned tensors into FP8 blocks, each
+trainer rank quantizes its own pieces before every refit (the blocks split across
+trainer ranks get their amax in one ``all_reduce(MAX)`` among them) and sends FP8
+codes and scales; the receivers get them like any other tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from reshard.errors import ConfigError, ReshardError, TensorMismatchError, Trans
 from reshard.executor import Executor, checksum_kind, local_problem
 from reshard.layout import Layout
 from reshard.planner import Plan
+from reshard.refit.amax import quantize_for_refit
 from reshard.refit.rendezvous import Meeting, meet
 
 __all__ = ["RefitStats", "Side", "layouts_of", "local_tensors", "print_progress"]
@@ -56,6 +62,10 @@ class RefitStats:
     rounds: int
     peak_staging_bytes: int = 0
     """The transfer's staging memory on this rank (the largest of its executors')."""
+    amax_bytes: int = 0
+    """FP8 refits: the bytes this rank put into the amax exchange (4 a shared block)."""
+    quantize_seconds: float = 0.0
+    """FP8 refits: this rank's time quantizing (its amax exchange included)."""
 
 
 def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
@@ -139,6 +149,7 @@ class Side:
         self.policy = dict(policies.pop()) if policies else {}
         self.budget_bytes = min(v.budget_bytes for v in views)
         self.executors = self._build_executors(meeting)
+        self._amax_comm = _amax_group(meeting)
         self._reconciled(max(v.version for v in views))
         self.pending = None
 
@@ -182,7 +193,9 @@ class Side:
             raise TransferError(f"rank {self.rank}: the weight-update group is broken since a "
                                 "refit failed in the transport; call reconnect() first; "
                                 "nothing was moved")
-        problem = local_problem(self.meeting.plan, self.rank, src, dst)
+        fp8 = self.meeting.fp8
+        problem = local_problem(self.meeting.plan, self.rank, src, dst, src_layouts=None
+                                if fp8 is None else fp8.source_checks())
         try:
             views = self.comm.all_gather_object((self.rank, problem, proposed, self.version),
                                                 **_timeout(self._left(deadline)))
@@ -201,13 +214,24 @@ class Side:
                                f"{current}; nothing was moved")
         return new
 
-    def _move(self, src, dst, proposed: int | None) -> RefitStats:
+    def _move(self, src, dst, proposed: int | None,
+              ready: Callable[[], None] | None = None) -> RefitStats:
+        """One version: check, transfer, then (``ready``, on a receiver whose part
+        arrived whole: its own last step before it confirms, such as preparing the new
+        version beside the live one; raising fails the version on every rank) the
+        agreement."""
         t0 = time.perf_counter()
         deadline = self._deadline()
         version = self._check(src, dst, proposed, deadline)
         error: BaseException | None = None
         sent = received = rounds = staging = 0
-        for ex in self.executors:
+        t_quant = time.perf_counter()
+        try:
+            src, amax = self._quantized(src, deadline)
+        except TransferError as e:
+            error, amax = e, 0
+        t_quant = time.perf_counter() - t_quant
+        for ex in self.executors if error is None else ():
             ex.deadline = deadline
             try:
                 s = ex.run(src, dst, check=False)
@@ -220,8 +244,34 @@ class Side:
         broken = any(ex.broken for ex in self.executors)
         if broken:  # tell every peer now (their waits fail at once), then the commit fails
             self._break()
+        if error is None and ready is not None:
+            try:
+                ready()
+            except Exception as e:  # noqa: BLE001 - every rank hears of it at the commit
+                error = e
         self._commit(error, broken=broken, deadline=deadline, version=version)
-        return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging)
+        return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging,
+                          amax, t_quant)
+
+    def _quantized(self, src, deadline: float | None):
+        """``(what this rank sends, amax bytes it exchanged)``: on a trainer rank of an
+        FP8 refit, its quantized tensors' FP8 codes and scales over ``src``."""
+        fp8 = self.meeting.fp8
+        if fp8 is None or self.rank not in fp8.sources:
+            return src, 0
+        group = self._amax_comm
+
+        def reduce(vec: torch.Tensor) -> None:
+            if group is not None:
+                group.all_reduce_max(vec, self._left(deadline))
+
+        try:
+            made = quantize_for_refit(fp8, src, self.rank, reduce)
+        except RuntimeError as e:  # the exchange failed: a trainer rank lost or late
+            self._break()
+            raise TransferError(f"rank {self.rank}: the FP8 amax exchange failed "
+                                f"({str(e).splitlines()[0]})") from e
+        return _Overlay(made, src), fp8.plan.exchange_bytes
 
     def _commit(self, error: BaseException | None, *, broken: bool = False,
                 deadline: float | None = None, version: int | None = None) -> None:
@@ -281,6 +331,29 @@ _COMMIT_GRACE_S = 1.0  # a rank that hit the deadline still tells its peers, thi
 
 def _timeout(left: timedelta | None) -> dict[str, timedelta]:
     return {} if left is None else {"timeout": left}
+
+
+def _amax_group(meeting: Meeting) -> Any:
+    """The trainer ranks' own group for the FP8 amax exchange (None where none is needed:
+    no FP8 tensor, no block split across them, or an inference rank)."""
+    fp8 = meeting.fp8
+    if fp8 is None or not fp8.plan.num_shared or meeting.rank not in fp8.sources:
+        return None
+    return meeting.comm.subgroup(fp8.sources)
+
+
+class _Overlay(dict):
+    """The tensors a sender made (FP8 codes and scales) over the ones it was given."""
+
+    def __init__(self, made: Mapping[str, torch.Tensor], rest: Mapping[str, Any]) -> None:
+        super().__init__(made)
+        self.rest = rest
+
+    def __missing__(self, name: str) -> Any:
+        return self.rest[name]
+
+    def get(self, name, default=None):
+        return self[name] if name in self else self.rest.get(name, default)
 
 
 def local_tensors(params: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:

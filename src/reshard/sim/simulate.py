@@ -12,6 +12,8 @@ from typing import Any
 
 from reshard.defaults import DEFAULT_BUDGET_BYTES, SIM_METHODS
 from reshard.errors import ConfigError
+from reshard.quant.blocks import BlockFormat
+from reshard.quant.targets import FP8, fp8_engine_layouts, plan_fp8_refit
 from reshard.sim.cluster import get_cluster
 from reshard.sim.costmodel import Simulation, simulate
 
@@ -25,7 +27,10 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
              dst_dtype: str | None = None, separate: bool = True,
              methods: Sequence[str] = SIM_METHODS) -> dict[str, Any]:
     """Plan ``model`` (a ModelSpec) from ``src`` to ``dst`` and simulate it on ``cluster``;
-    returns the plan, the simulation and the timings."""
+    returns the plan, the simulation and the timings. ``dst_dtype="float8_e4m3fn"``: an
+    FP8 block engine (its linear weights in FP8 with float32 scales, quantized shard by
+    shard on the trainer; ``fp8`` then holds the plan of the amax exchange), any other
+    dtype a plain cast."""
     from reshard import planner
     from reshard.sim.specs import ParallelSpec, model_layouts
 
@@ -33,14 +38,23 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
     t0 = time.perf_counter()
     src_spec = ParallelSpec.parse(src)
     src_layouts = model_layouts(model.tensors, src_spec)
-    dst_layouts = model_layouts(model.tensors, dst, first_rank=src_spec.world_size,
-                                dtype=dst_dtype)
+    fp8 = None
+    if dst_dtype == FP8:
+        dst_layouts = fp8_engine_layouts(model_layouts(model.tensors, dst,
+                                                       first_rank=src_spec.world_size))
+        sources = tuple(range(src_spec.world_size))
+        src_layouts, fp8 = plan_fp8_refit(src_layouts, dst_layouts, BlockFormat(), sources,
+                                          src_spec.world_size)
+    else:
+        dst_layouts = model_layouts(model.tensors, dst, first_rank=src_spec.world_size,
+                                    dtype=dst_dtype)
     plan = planner.plan(src_layouts, dst_layouts, allow_cast=dst_dtype is not None)
     t1 = time.perf_counter()
     ranks = cluster.place(*plan.ranks(), separate=separate)
     sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes, methods=methods)
     t2 = time.perf_counter()
-    return {"plan": plan, "sim": sim, "plan_seconds": t1 - t0, "simulate_seconds": t2 - t1}
+    return {"plan": plan, "sim": sim, "plan_seconds": t1 - t0, "simulate_seconds": t2 - t1,
+            "fp8": fp8}
 
 
 # ------------------------------------------------------------------------------ sweeps

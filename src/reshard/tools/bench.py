@@ -1,6 +1,11 @@
 """``reshard bench``: move a synthetic transformer-shaped state between two layouts with
 every method, on local gloo processes, verify every destination bit for bit, and time it
-against the floor (a bare exchange of the same bytes between the same rank pairs)."""
+against the floor (a bare exchange of the same bytes between the same rank pairs).
+
+``dst_dtype="float8_e4m3fn"``: the destination is an FP8 block engine (its linears in
+FP8 with float32 scales): the source ranks quantize their own shards first (one
+``all_reduce(MAX)`` of the blocks split across them, timed apart), and the methods move
+FP8 codes and scales; every destination is checked against the reference quantizer."""
 
 from __future__ import annotations
 
@@ -15,6 +20,13 @@ import torch
 from reshard import planner
 from reshard.defaults import DEFAULT_BUDGET_BYTES, METHODS
 from reshard.executor import Executor
+from reshard.layout import Layout
+from reshard.mesh import Mesh
+from reshard.placement import Replicate
+from reshard.quant import quantize_reference
+from reshard.quant.blocks import BlockFormat
+from reshard.quant.targets import FP8, fp8_engine_layouts, plan_fp8_refit, scale_name
+from reshard.refit.amax import quantize_for_refit
 from reshard.schedule import flat_schedule
 from reshard.sim.models import synthetic_model
 from reshard.sim.specs import ParallelSpec, model_layouts
@@ -43,15 +55,29 @@ class BenchConfig:
     nic_per_rank: bool = False
     """On emulated nodes, give every rank its own network card of ``link_mbit`` (as a GPU
     node has one NIC per GPU) instead of one link of ``link_mbit`` per node."""
+    dst_dtype: str | None = None
+    """``"float8_e4m3fn"``: an FP8 block engine (see the module docstring)."""
     extra: dict = field(default_factory=dict)
 
 
 def build_plan(cfg: BenchConfig):
+    plan, world, _ = build_plans(cfg)
+    return plan, world
+
+
+def build_plans(cfg: BenchConfig):
+    """(the transfer plan, the world size, the FP8 part or None)."""
     model = synthetic_model(cfg.model_bytes, dtype=cfg.dtype)
     src_spec, dst_spec = ParallelSpec.parse(cfg.src), ParallelSpec.parse(cfg.dst)
     src = model_layouts(model.tensors, src_spec, dtype=cfg.dtype)
     dst = model_layouts(model.tensors, dst_spec, first_rank=src_spec.world_size, dtype=cfg.dtype)
-    return planner.plan(src, dst), src_spec.world_size + dst_spec.world_size
+    fp8 = None
+    if cfg.dst_dtype == FP8:
+        n = src_spec.world_size
+        src, fp8 = plan_fp8_refit(src, fp8_engine_layouts(dst), BlockFormat(),
+                                  tuple(range(n)), n)
+        dst = fp8_engine_layouts(dst)
+    return planner.plan(src, dst), src_spec.world_size + dst_spec.world_size, fp8
 
 
 def _timed(comm_barrier, fn, repeats: int) -> list[float]:
@@ -70,13 +96,13 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
     order rotated every repeat so that each also takes every place in it."""
     from reshard.comm import Comm
 
-    plan, _ = build_plan(cfg)
+    plan, _, fp8 = build_plans(cfg)
     comm = Comm.from_group()
-    src = {t.name: fill_local(t.src, rank) for t in plan.tensors if rank in t.src.rank_set}
+    result: dict[str, Any] = {"methods": {}}
+    src = _sources(plan, fp8, rank, result, cfg.repeats)
     dst = {t.name: torch.zeros(t.dst.local_shape(rank), dtype=getattr(torch, t.dst.dtype))
            for t in plan.tensors if rank in t.dst.rank_set}
     runs: dict[str, Any] = {"floor": floor_runner(plan, comm)}
-    result: dict[str, Any] = {"methods": {}}
     for method in cfg.methods:  # "reshard+sum" / "p2p+crc32": with per-message checksums
         if method == "redistribute":
             continue
@@ -87,7 +113,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
         for tensor in dst.values():
             tensor.zero_()
         stats = ex.run(src, dst)  # checked run, then verified bit for bit
-        ok = all(matches(t.dst, rank, dst[t.name]) for t in plan.tensors if t.name in dst)
+        ok = _verified(plan, fp8, rank, dst)
         moved = stats.bytes_received if base == "colocated" else stats.bytes_sent  # pulled
         result["methods"][method] = {"times": [], "sent": moved, "ok": ok,
                                      "staging": stats.peak_staging_bytes}
@@ -106,6 +132,50 @@ def _worker(rank: int, world: int, cfg: BenchConfig) -> dict:
                 seconds)
     result["floor"] = {"times": floor_times}
     return result
+
+
+def _sources(plan, fp8, rank: int, result: dict, repeats: int) -> dict:
+    """This rank's source tensors: synthetic, or for an FP8 engine their FP8 codes and
+    scales, quantized ``repeats`` times (timed; the source ranks' amax exchange over a
+    group of their own, which every rank creates)."""
+    plain = {t.name: fill_local(t.src, rank) for t in plan.tensors
+             if rank in t.src.rank_set and (fp8 is None or t.name not in fp8.source_checks())}
+    if fp8 is None:
+        return plain
+    import torch.distributed as dist
+
+    group = dist.new_group(list(fp8.sources))
+    given = {n: fill_local(lay, rank) for n, lay in fp8.layouts.items() if rank in lay.rank_set}
+    if rank not in fp8.sources:
+        return plain
+
+    def reduce(vec):
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        made = quantize_for_refit(fp8, given, rank, reduce)
+        times.append(time.perf_counter() - t0)
+    result["quantize"] = {"times": times[1:], "amax_bytes": fp8.plan.exchange_bytes}
+    return {**plain, **made}
+
+
+def _verified(plan, fp8, rank: int, dst: dict) -> bool:
+    """Every destination bit for bit: the synthetic values, or for an FP8 engine's
+    tensors the reference quantizer's codes and scales of the full synthetic tensor."""
+    made = fp8.source_checks() if fp8 is not None else {}
+    ok = all(matches(t.dst, rank, dst[t.name]) for t in plan.tensors
+             if t.name in dst and t.name not in made)
+    for name in (n for n in (fp8.names if fp8 else ()) if n in dst):
+        lay = fp8.layouts[name]
+        whole = Layout(lay.shape, Mesh([0]), [Replicate()], lay.dtype)
+        q, scale = quantize_reference(fill_local(whole, 0), fp8.plan.fmt)
+        ok = ok and torch.equal(dst[name].view(torch.uint8),
+                                plan[name].dst.shard(q.view(torch.uint8), rank))
+        ok = ok and torch.equal(dst[scale_name(name)],
+                                plan[scale_name(name)].dst.shard(scale, rank))
+    return ok
 
 
 def _add_redistribute(plan, comm, src, dst, cfg: BenchConfig, result: dict, runs: dict) -> None:
@@ -201,6 +271,10 @@ def _summarise(per_rank: list[dict], cfg: BenchConfig) -> dict:
             "seconds": secs, "bytes": sent, "gbps": sent / secs / 1e9,
             "vs_floor": secs / floor, "peak_staging_bytes": max(e["staging"] for e in entries),
             "verified": all(e["ok"] for e in entries)}
+    if "quantize" in per_rank[0]:
+        quant = [r["quantize"] for r in per_rank if "quantize" in r]
+        out["quantize"] = {"seconds": refit_seconds(quant),
+                           "amax_bytes_per_source_rank": quant[0]["amax_bytes"]}
     gb = out["methods"].get("gather_broadcast")
     if gb and "reshard" in out["methods"]:
         out["speedup_vs_gather_broadcast"] = gb["seconds"] / out["methods"]["reshard"]["seconds"]

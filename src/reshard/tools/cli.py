@@ -22,7 +22,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(src=args.src, dst=args.dst, model_bytes=parse_bytes(args.model_bytes),
                       methods=tuple(args.methods.split(",")), repeats=args.repeats,
                       budget_bytes=parse_bytes(args.budget), dtype=args.dtype, nodes=args.nodes,
-                      link_mbit=args.link_mbit, nic_per_rank=args.nic_per_rank)
+                      link_mbit=args.link_mbit, nic_per_rank=args.nic_per_rank,
+                      dst_dtype=args.dst_dtype)
     if cfg.nic_per_rank and not cfg.nodes:
         print("reshard: error: --nic-per-rank needs --nodes K", file=sys.stderr)
         return 2
@@ -52,6 +53,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.json:
         print_table("refit time (median; slowest rank)", ["method", "seconds", "bytes sent",
                "GB/s", "vs floor", "peak staging", "bit-exact"], rows)
+        if "quantize" in result:
+            q = result["quantize"]
+            print(f"FP8 blocks: the trainer ranks quantize in {q['seconds']:.3f} s (slowest "
+                  f"rank; its amax exchange of {q['amax_bytes_per_source_rank']} B a rank "
+                  "included), before any method moves the FP8 codes and scales above")
         if "link_bytes" in result:
             lb = result["link_bytes"]
             hb = human_bytes
@@ -108,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--budget", default="256MiB", help="staging budget per rank")
     b.add_argument("--dtype", default="float32")
+    b.add_argument("--dst-dtype", default=None, choices=["float8_e4m3fn"],
+                   help="float8_e4m3fn: an FP8 block engine (linears quantized in 128x128 "
+                        "blocks on the trainer ranks, shard by shard, sent with their scales)")
     b.add_argument("--nodes", type=int, default=0,
                    help="run on K emulated nodes (network namespaces + tc; needs root): "
                         "trainer ranks on the first half, inference ranks on the rest")

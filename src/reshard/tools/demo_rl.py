@@ -48,10 +48,10 @@ from reshard.tools.rl_task import (
     TRAINERS,
     greedy,
     quiet_env,
-    reinforce_step,
     sample_text,
     save_step,
     shutdown,
+    train_step,
     verbose_requested,
     vllm_cpu_env,
 )
@@ -77,10 +77,7 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     for step in range(1, steps + 1):
         batch = rollouts[rank].get(timeout=300)  # [(prompt, completion)], this rank's half
-        loss, mean_reward = reinforce_step(model, opt, batch)
-        full = hf.full_state_dict(model)  # collective: the reference the demo checks
-        if rank == 0:
-            save_step(full, out_dir, step)
+        loss, mean_reward = train_step(model, opt, batch, rank, out_dir, step)
         stats = sender.refit(step)
         results.put({"rank": rank, "step": step, "loss": loss,
                      "reward": mean_reward, "sent": stats.bytes_sent,
@@ -168,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=parse_parallel, default=None, metavar="SPEC",
                     help="with --trainer megatron: its tp / pp / dp sizes, e.g. tp2 "
                          "(default), pp2, tp2,pp2, tp1,dp2")
+    ap.add_argument("--serve", action="store_true",
+                    help="run the loop against a live vLLM server (vllm serve, TP2), "
+                         "refitted over vLLM's HTTP weight-sync protocol with overlapped "
+                         "refits (reshard.tools.demo_serve)")
     ap.add_argument("--verbose", action="store_true",
                     help="show vLLM's, transformers' and torch's logs, warnings and progress "
                          "bars (also RESHARD_VERBOSE=1); by default the demo prints only its "
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.parallel is not None and args.trainer != "megatron":
         ap.error("--parallel is for --trainer megatron")
+    if args.serve and (args.trainer != "fsdp2" or args.launcher != "local" or args.kill_at):
+        ap.error("--serve runs the FSDP2 trainer with the local launcher")
     if args.trainer == "megatron":
         if args.launcher == "ray":
             ap.error("--launcher ray runs the FSDP2 trainer only")
@@ -188,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.tools.ray_loop import main as ray_main
 
         return ray_main(args)
+    if args.serve:
+        from reshard.tools.demo_serve import run as serve
+
+        with tempfile.TemporaryDirectory(prefix="reshard_demo_serve_") as tmp:
+            return serve(Path(tmp), args)
     try:
         from vllm import LLM
     except ImportError as e:

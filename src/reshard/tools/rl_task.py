@@ -81,6 +81,19 @@ def reinforce_step(model: Any, opt: Any, batch: list[Rollout]) -> tuple[float, f
     return float(loss.detach()), float(rewards.mean())
 
 
+def train_step(model: Any, opt: Any, batch: list[Rollout], rank: int, out_dir: str | Path,
+               step: int) -> tuple[float, float]:
+    """:func:`reinforce_step`, then the step's full state dict (a collective under FSDP2)
+    saved by rank 0: the reference the demos check the engine against."""
+    from reshard.integrations import hf
+
+    loss, mean_reward = reinforce_step(model, opt, batch)
+    full = hf.full_state_dict(model)
+    if rank == 0:
+        save_step(full, out_dir, step)
+    return loss, mean_reward
+
+
 def save_step(state: dict[str, Any], out_dir: str | Path, step: int) -> Path:
     """``out_dir/step{step}.pt``, written whole (renamed into place)."""
     import torch

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict
 
 from reshard.defaults import SIM_METHODS
+from reshard.quant.targets import SCALE_SUFFIX
 from reshard.sim.cluster import CLUSTERS, get_cluster
 from reshard.sim.costmodel import Simulation
 from reshard.sim.simulate import plot_simulation, plot_sweep, run_case, sweep
@@ -33,6 +34,28 @@ def _rows(sim: Simulation) -> list[list[str]]:
     return rows
 
 
+def _fp8_figures(case) -> dict | None:
+    """What an FP8 block engine adds: the scales moved, the amax exchange among the
+    trainer ranks (one all_reduce of 4 B per block split across them)."""
+    fp8, plan = case["fp8"], case["plan"]
+    if fp8 is None:
+        return None
+    return {"format": str(fp8.plan.fmt), "tensors": len(fp8.names),
+            "scale_bytes": sum(t.dst.nbytes for t in plan.tensors
+                               if t.name.endswith(SCALE_SUFFIX)),
+            "engine_bytes": sum(t.dst.nbytes for t in plan.tensors),
+            "amax_bytes_per_trainer_rank": fp8.plan.exchange_bytes,
+            "shared_blocks": fp8.plan.num_shared}
+
+
+def _fp8_line(f: dict) -> str:
+    return (f"FP8 blocks {f['format']}: {f['tensors']} tensors quantized on the trainer; "
+            f"scales {f['scale_bytes'] / 1e6:.1f} MB of the engine's "
+            f"{_gb(f['engine_bytes'])}; amax exchange {f['amax_bytes_per_trainer_rank']} B "
+            "per trainer rank "
+            f"({f['shared_blocks']} blocks split across trainer ranks)")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     cluster = get_cluster(args.cluster)
     budget = parse_bytes(args.budget)
@@ -51,13 +74,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           "dst": args.dst, "cluster_params": asdict(cluster),
                           "plan_seconds": case["plan_seconds"],
                           "simulate_seconds": case["simulate_seconds"],
-                          "plan_stats": case["plan"].stats().as_dict(), **sim.as_dict()}))
+                          "plan_stats": case["plan"].stats().as_dict(), **sim.as_dict(),
+                          **({"fp8": _fp8_figures(case)} if case["fp8"] else {})}))
         return 0
     print_table(f"predicted refit, {model.name} ({_gb(model.nbytes)}): {args.src} -> {args.dst} "
            f"on {cluster.name}", ["method", "seconds", "vs bound", "network bytes"], _rows(sim))
     for m, p in sim.predictions.items():
         print(f"  {m} bottleneck: {p.bottleneck}")
     print(f"  lower bound: {sim.lower_bound}")
+    fp8 = _fp8_figures(case)
+    if fp8 is not None:
+        print(f"  {_fp8_line(fp8)}")
     print(f"planned {len(case['plan'])} tensors in {case['plan_seconds']:.2f} s, simulated "
           f"in {case['simulate_seconds']:.2f} s; cluster: {cluster.source}")
     if args.plot:
@@ -114,7 +141,9 @@ def register(subparsers) -> None:
     s.add_argument("--model-bytes", default="1GiB", help="synthetic model size (no --model)")
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--dst-dtype", default=None,
-                   help="inference dtype when it differs (e.g. float8_e4m3fn: cast on send)")
+                   help="inference dtype when it differs: float8_e4m3fn is an FP8 block "
+                        "engine (linear weights quantized in 128x128 blocks with float32 "
+                        "scales on the trainer, shard by shard); another dtype is cast on send")
     s.add_argument("--src", required=True, help="trainer layout, e.g. pp16,ep16")
     s.add_argument("--dst", required=True, help="inference layout, e.g. tp8,dp16")
     s.add_argument("--cluster", default="dgx-h100",

