@@ -90,7 +90,8 @@ def main() -> None:
     # the pre-send check reads every tensor once; then the transfer: die halfway through
     params = Dying(params, at=len(params) + len(params) // 2)
     info = ReshardTrainerInitInfo("127.0.0.1", a.meet_port, trainer_size=a.world,
-                                  inference_size=2, rank=a.rank, timeout_s=60)
+                                  inference_size=2, rank=a.rank, timeout_s=60,
+                                  token=os.environ.get("SERVE_TEST_TOKEN"))
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=HTTPVLLMWeightSyncClient(a.url), source=params)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)

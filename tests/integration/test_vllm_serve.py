@@ -17,6 +17,7 @@ of the same kind started from that step's checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from reshard.comm import free_port  # noqa: E402
+from reshard.gate import new_token  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
 from reshard.tools.rl_task import SYSTEM_PROMPT  # noqa: E402
 from reshard.tools.serve import Server  # noqa: E402
@@ -35,9 +37,11 @@ from reshard.tools.serve import Server  # noqa: E402
 JOB = Path(__file__).with_name("_serve_trainer_job.py")
 CHECK = [SYSTEM_PROMPT + [17, 42, 99, 256], SYSTEM_PROMPT + [5, 6, 7, 8, 9]]
 CHECK_TOKENS = 8
-#: In-flight traffic: long requests back to back, sharing the system prompt.
-TRAFFIC = [SYSTEM_PROMPT[:150] + [3 + i] for i in range(2)]
-TRAFFIC_TOKENS = 150
+#: In-flight traffic: 4 clients asking long requests back to back (the context's 512
+#: tokens nearly full), sharing the system prompt: one is generating whenever the swap
+#: comes, however fast the tiny model and however loaded the host.
+TRAFFIC = [SYSTEM_PROMPT[:150] + [3 + i] for i in range(4)]
+TRAFFIC_TOKENS = 350
 
 
 class Traffic:
@@ -71,10 +75,16 @@ def _answers(server: Server) -> list[dict]:
     return [server.generate(p, CHECK_TOKENS) for p in CHECK]
 
 
+#: The meeting's token: the trainer's rank 0 gives it to the server with its init (so the
+#: HTTP path meets through the gate, with keyed digests; docs/security.md).
+TOKEN = new_token()
+
+
 def _trainers(args: list[str], out: Path, tag: str) -> list[subprocess.Popen]:
     port = free_port()
+    env = {**os.environ, "SERVE_TEST_TOKEN": TOKEN}
     return [subprocess.Popen([sys.executable, str(JOB), *args, "--rank", str(r),
-                              "--dist-port", str(port)],
+                              "--dist-port", str(port)], env=env,
                              stdout=open(out / f"{tag}{r}.log", "wb"), stderr=subprocess.STDOUT)
             for r in range(2)]
 
@@ -149,6 +159,7 @@ def _scenario(server: Server, fresh: dict, model: Path, out: Path, rec: dict) ->
                "--die-at", "2"]
         procs = _trainers(job, out, "job1-")
         rec[1] = _refit_with_traffic(server, out, 1, procs)
+        rec["info"] = server.rpc("reshard_info")
         _start_when_saved(fresh, out)
         rec["malformed"] = {
             "finish_first": _refused(server, "finish_weight_update"),
@@ -214,6 +225,8 @@ def test_overlapped_refit_keeps_generating_and_answers_as_a_fresh_server(scenari
     assert any(_spans(a) == ["default", "1"] for a in r["in_flight"]), \
         [a["versions"] for a in r["in_flight"]]
     assert r["version"] == "1"
+    # the HTTP path met with the trainer's token: every message checked with a keyed digest
+    assert all(i["checksum"] == ["hmac"] for i in scenario["info"]), scenario["info"]
     # the pause was the swap alone: shorter than the transfer it overlapped
     assert r["result"]["pause_seconds"] < r["result"]["seconds"]
     assert _outputs(r["answers"]) != _outputs(scenario["before"])

@@ -56,7 +56,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -91,13 +91,19 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     timeout_s: float = 120.0
     unchecked_family_ok: bool = False
+    #: the meeting's shared secret (else ``$RESHARD_TOKEN`` on each side; see
+    #: docs/security.md); sent to the engine with ``init_weight_transfer_engine``
+    token: str | None = field(default=None, repr=False)
 
     def worker_init_info(self) -> dict[str, Any]:
-        """What the engine's ranks are given (``init_weight_transfer_engine``)."""
-        return {"master_address": self.master_address, "master_port": self.master_port,
+        """What the engine's ranks are given (``init_weight_transfer_engine``; over HTTP
+        the token travels in that request's body: serve behind TLS, or give the engine
+        ``RESHARD_TOKEN`` itself and leave ``token`` unset)."""
+        info = {"master_address": self.master_address, "master_port": self.master_port,
                 "trainer_size": self.trainer_size, "staging": self.staging,
                 "budget_bytes": self.budget_bytes, "timeout_s": self.timeout_s,
                 "unchecked_family_ok": self.unchecked_family_ok}
+        return info if self.token is None else {**info, "token": self.token}
 
     def check(self) -> None:
         """Refuse, before anything moves, what cannot work."""
@@ -209,7 +215,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                     port=init_info.master_port, rank=init_info.rank,
                     trainer_size=init_info.trainer_size,
                     inference_size=init_info.inference_size,
-                    budget_bytes=init_info.budget_bytes,
+                    budget_bytes=init_info.budget_bytes, token=init_info.token,
                     timeout=timedelta(seconds=init_info.timeout_s))
             finally:
                 if told is not None:

@@ -4,7 +4,8 @@ weight-sync protocol with overlapped refits.
 
 The trainer: 2 gloo processes holding the tiny Qwen3 under FSDP2 (float32 master
 weights), each meeting the server through ``WeightTransferTrainerFactory.trainer_init``
-with vLLM's ``HTTPVLLMWeightSyncClient`` and the reshard trainer engine. Each step: the
+with vLLM's ``HTTPVLLMWeightSyncClient`` and the reshard trainer engine, with a fresh
+token (docs/security.md) that rank 0 gives the server in its init. Each step: the
 server samples rollouts over HTTP (``/inference/v1/generate``, token ids); the trainer
 ranks take a REINFORCE step and ``send_weights(step)``: the server's ranks receive in the
 background while a client keeps generating, then swap between two forward passes. The
@@ -39,7 +40,7 @@ __all__ = ["run"]
 
 
 def _trainer(rank: int, world: int, model_dir: str, url: str, port: int, out_dir: str,
-             steps: int, lr: float, rollouts: list[Any], results: Any) -> None:
+             steps: int, lr: float, rollouts: list[Any], results: Any, token: str) -> None:
     """One trainer rank: FSDP2 model, REINFORCE on its half of each rollout, refit the
     server through vLLM's HTTP weight-sync client."""
     import torch
@@ -54,7 +55,7 @@ def _trainer(rank: int, world: int, model_dir: str, url: str, port: int, out_dir
     model = hf.shard_fsdp2(hf.load_model(model_dir, torch.float32))
     engine = WeightTransferTrainerFactory.trainer_init(
         ReshardTrainerInitInfo("127.0.0.1", port, trainer_size=world, inference_size=TP,
-                               rank=rank, timeout_s=300),
+                               rank=rank, timeout_s=300, token=token),
         client=HTTPVLLMWeightSyncClient(url), source=model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     for step in range(1, steps + 1):
@@ -106,6 +107,7 @@ def run(work: Path, args: argparse.Namespace) -> int:
 
     import torch
 
+    from reshard.gate import new_token
     from reshard.integrations import hf
     from reshard.tools.launch import free_port, run_processes
     from reshard.tools.serve import Server
@@ -118,6 +120,7 @@ def run(work: Path, args: argparse.Namespace) -> int:
           f"{' '.join(server.argv[1:4])} ... (log: {server.log})", flush=True)
     t0 = time.perf_counter()
     failures, steps = 0, args.steps
+    token = new_token()  # the meeting's: rank 0 gives it to the server with its init
     with server:
         print(f"vLLM server up at {server.url} in {time.perf_counter() - t0:.1f} s")
         ctx = mp.get_context("spawn")
@@ -127,8 +130,8 @@ def run(work: Path, args: argparse.Namespace) -> int:
         def run_trainer() -> None:
             try:
                 run_processes(_trainer, TRAINERS, str(model_dir), server.url, free_port(),
-                              str(out_dir), steps, args.lr, rollouts, results, timeout=900,
-                              start_method="spawn")
+                              str(out_dir), steps, args.lr, rollouts, results, token,
+                              timeout=900, start_method="spawn")
             except BaseException as e:  # reported after the loop
                 trainer_error.append(e)
 
