@@ -19,6 +19,10 @@ first is a warm-up; the median of the rest is reported):
   AReaL's file modes);
 * vLLM 0.32's own weight-transfer backends: none runs on CPU (:data:`VLLM_BACKENDS`).
 
+vLLM 0.32 CPU redoes MoE experts' pad + prepack only on a first load: its own reload
+leaves them unpacked under a kernel that reads them packed. The gather-and-broadcast and
+disk methods here get the work-around reshard's commit uses (``reset_moe_kernels``).
+
 Per model x method: refit seconds (driver wall clock, from the command to both jobs done),
 bytes each engine rank received, peak extra resident memory of trainer rank 0 and of each
 engine rank over the method's set-up and refits, and the floor (a bare exchange of exactly
@@ -78,6 +82,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("qwen3", dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=True)),
+    "tiny-moe": ("qwen3_moe", dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, vocab_size=4096, tie_word_embeddings=False)),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
