@@ -19,6 +19,10 @@ first is a warm-up; the median of the rest is reported):
   AReaL's file modes);
 * vLLM 0.32's own weight-transfer backends: none runs on CPU (:data:`VLLM_BACKENDS`).
 
+vLLM 0.32 CPU redoes MoE experts' pad + prepack only on a first load: its own reload
+leaves them unpacked under a kernel that reads them packed. The gather-and-broadcast and
+disk methods here get the work-around reshard's commit uses (``reset_moe_kernels``).
+
 Per model x method: refit seconds (driver wall clock, from the command to both jobs done),
 bytes each engine rank received, peak extra resident memory of trainer rank 0 and of each
 engine rank over the method's set-up and refits, and the floor (a bare exchange of exactly
@@ -74,10 +78,31 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts=16, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
         norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
         max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    # what fits a 12 GiB share of a 24 GiB host (expected_peak_bytes): Qwen2.5-0.5B, and
+    # the shapes above cut to fewer layers and experts
+    "qwen2.5-0.5b": ("qwen2", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "qwen2.5-1.5b-12l": ("qwen2", dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "qwen3-moe-0.8b": ("qwen3_moe", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=8, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rms_norm_eps=1e-6)),
     # for developing the benchmark
     "tiny": ("qwen3", dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=True)),
+    "tiny-moe": ("qwen3_moe", dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, vocab_size=4096, tie_word_embeddings=False)),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -724,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/refit_real"))
     ap.add_argument("--plot", type=Path, help="only plot this results.json (with --png)")
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--max-gib", type=float, default=12.0,
+                    help="skip a model whose expected peak is above this (this run's share "
+                         "of the host)")
     ap.add_argument("--margin-gib", type=float, default=2.0,
                     help="skip a model unless its expected peak plus this fits in memory")
     ap.add_argument("--profile", action="store_true",
@@ -750,9 +778,10 @@ def main(argv: list[str] | None = None) -> int:
     results, watch = [], MemoryWatch()
     for name in a.models.split(","):
         need, free = expected_peak_bytes(count_params(*MODELS[name])), available_bytes()
-        if need + a.margin_gib * GiB > free:
-            print(f"[{name}] skipped: it needs about {need / GiB:.1f} GiB and "
-                  f"{free / GiB:.1f} GiB is available (margin {a.margin_gib} GiB)")
+        if need + a.margin_gib * GiB > free or need > a.max_gib * GiB:
+            print(f"[{name}] skipped: it needs about {need / GiB:.1f} GiB (at most "
+                  f"{a.max_gib} GiB allowed) and {free / GiB:.1f} GiB is available (margin "
+                  f"{a.margin_gib} GiB)")
             header.setdefault("skipped", {})[name] = {"need": need, "available": free}
             continue
         run = Run(name, a.repeats, a.out / name, watch)

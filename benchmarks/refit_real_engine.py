@@ -28,6 +28,7 @@ from reshard.integrations.vllm import ReshardWorkerExtension
 from reshard.integrations.vllm_internals import (
     has_own_lm_head,
     logical_params,
+    reset_moe_kernels,
     reset_peak_rss,
     return_freed_memory,
     rss_bytes,
@@ -85,6 +86,7 @@ class BenchExtension(ReshardWorkerExtension):
         model = self.model_runner.get_model()
         t0, received, load_s = time.perf_counter(), 0, 0.0
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            reset_moe_kernels(model)  # see bench_disk_reload
             initialize_layerwise_reload(model)
             for idx in self._gb_buckets:
                 names, shapes, dtypes = zip(*(self._gb_meta[i] for i in idx))
@@ -115,6 +117,10 @@ class BenchExtension(ReshardWorkerExtension):
 
         files = sorted(str(p) for p in Path(directory).glob("*.safetensors"))
         t0 = time.perf_counter()
+        # vLLM 0.32 CPU redoes the experts' pad + prepack only on a first load
+        # (``moe_kernel is None``): without this, every later reload leaves them unpacked
+        # under a kernel that reads them packed (reshard's commit does the same)
+        reset_moe_kernels(self.model_runner.get_model())
         self.reload_weights(weights_iterator=safetensors_weights_iterator(files, False))
         return {"seconds": time.perf_counter() - t0,
                 "bytes_received": sum(Path(f).stat().st_size for f in files)}
