@@ -242,14 +242,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         with ThreadPoolExecutor(max_workers=1) as pool:
             receiving = None
             if rank0:
-                if not info.overlap:
-                    self.pausing[0]("keep")
-                self.client.start_weight_update()
-                update = {"background": info.overlap}
-                if info.overlap:
-                    self.client.update_weights(update)
-                else:  # returns when the engine's ranks received the whole version
-                    receiving = pool.submit(self.client.update_weights, update)
+                try:
+                    receiving = self._begin(info, pool)
+                except Exception as e:  # the engine refused: no rank waits on it
+                    self.sender._break()  # the other trainer ranks' refit fails at once
+                    raise TransferError(f"the engine refused to begin refit {version}: {e}; "
+                                        "it serves the previous version; meet again "
+                                        "(trainer_init with a new port)") from e
             try:
                 stats = self.sender.refit(version)
                 figures.update(transfer_seconds=stats.seconds, bytes_sent=stats.bytes_sent)
@@ -265,6 +264,18 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 "previous version") from error
         self.version = version
         return figures
+
+    def _begin(self, info: ReshardTrainerInitInfo, pool: ThreadPoolExecutor) -> Any:
+        """Rank 0: open the update round on the engine; stop-the-world, the blocking
+        ``update_weights`` runs in ``pool`` while this rank sends (its future)."""
+        if not info.overlap:
+            self.pausing[0]("keep")
+        self.client.start_weight_update()
+        update = {"background": info.overlap}
+        if info.overlap:
+            self.client.update_weights(update)
+            return None
+        return pool.submit(self.client.update_weights, update)  # returns once received
 
     def _finish(self, info: ReshardTrainerInitInfo, receiving: Any, version: int,
                 figures: dict[str, Any], error: BaseException | None, t0: float
