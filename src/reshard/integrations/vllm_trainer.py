@@ -270,12 +270,18 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         ``update_weights`` runs in ``pool`` while this rank sends (its future)."""
         if not info.overlap:
             self.pausing[0]("keep")
-        self.client.start_weight_update()
-        update = {"background": info.overlap}
-        if info.overlap:
-            self.client.update_weights(update)
-            return None
-        return pool.submit(self.client.update_weights, update)  # returns once received
+        try:
+            self.client.start_weight_update()
+            update = {"background": info.overlap}
+            if info.overlap:
+                self.client.update_weights(update)
+                return None
+            return pool.submit(self.client.update_weights, update)  # returns once received
+        except Exception:
+            if not info.overlap:  # never leave the engine paused
+                with contextlib.suppress(Exception):
+                    self.pausing[1]()
+            raise
 
     def _finish(self, info: ReshardTrainerInitInfo, receiving: Any, version: int,
                 figures: dict[str, Any], error: BaseException | None, t0: float
