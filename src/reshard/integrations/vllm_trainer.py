@@ -270,16 +270,20 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         ``update_weights`` runs in ``pool`` while this rank sends (its future)."""
         if not info.overlap:
             self.pausing[0]("keep")
+        started = False
         try:
             self.client.start_weight_update()
+            started = True
             update = {"background": info.overlap}
             if info.overlap:
                 self.client.update_weights(update)
                 return None
             return pool.submit(self.client.update_weights, update)  # returns once received
         except Exception:
-            if not info.overlap:  # never leave the engine paused
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):
+                if started:  # close the round: nothing was received, nothing commits
+                    self.client.finish_weight_update()
+                if not info.overlap:  # never leave the engine paused
                     self.pausing[1]()
             raise
 
