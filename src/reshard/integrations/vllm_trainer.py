@@ -280,10 +280,11 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 return None
             return pool.submit(self.client.update_weights, update)  # returns once received
         except Exception:
-            with contextlib.suppress(Exception):
-                if started:  # close the round: nothing was received, nothing commits
+            if started:  # close the round: nothing was received, nothing commits
+                with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
-                if not info.overlap:  # never leave the engine paused
+            if not info.overlap:  # never leave the engine paused
+                with contextlib.suppress(Exception):
                     self.pausing[1]()
             raise
 
