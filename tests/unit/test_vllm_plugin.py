@@ -176,3 +176,64 @@ def test_the_package_declares_the_entry_point():
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps.get(plugin.PLUGIN_NAME) == "reshard.integrations.vllm_plugin:load"
+
+
+class _Client:
+    """A weight-sync client that records its calls and refuses ``fail``."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.calls, self.fail = [], fail
+
+    def _call(self, name, *args):
+        self.calls.append(name)
+        if name == self.fail:
+            raise RuntimeError(f"HTTP 500: {name} refused")
+
+    def start_weight_update(self):
+        self._call("start")
+
+    def update_weights(self, info):
+        self._call("update")
+
+    def finish_weight_update(self, weight_version=None):
+        self._call("finish")
+
+    def pause_generation(self, mode):
+        self._call(f"pause:{mode}")
+
+    def resume_generation(self):
+        self._call("resume")
+
+
+@pytest.mark.parametrize("overlap, fail, calls", [
+    (True, "update", ["start", "update", "finish"]),  # the round closed, nothing committed
+    (False, "start", ["pause:keep", "start", "resume"]),  # never left paused
+    (True, "start", ["start"]),
+])
+def test_a_round_the_engine_refuses_to_begin_is_closed(overlap, fail, calls):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from reshard.integrations.vllm_trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
+
+    info = ReshardTrainerInitInfo("h", 1, trainer_size=2, inference_size=2, rank=0,
+                                  overlap=overlap)
+    client = _Client(fail)
+    engine = ReshardTrainerEngine(client=client, is_sender=True, init_info=info)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="refused"):
+        engine._begin(info, pool)
+    assert client.calls == calls
+
+
+def test_trainer_init_info_refuses_what_cannot_work():
+    from reshard.integrations.vllm_trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
+
+    with pytest.raises(ReshardError, match="overlap=True cannot run with staging='none'"):
+        ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, staging="none").check()
+    with pytest.raises(ReshardError, match="in_flight must be one of"):
+        ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, in_flight="later").check()
+    info = ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, in_flight="wait")
+    no_pause = type("C", (), {m: lambda *a, **k: None for m in (
+        "start_weight_update", "update_weights", "finish_weight_update")})()
+    with pytest.raises(ReshardError, match="in_flight='wait' pauses the engine"):
+        ReshardTrainerEngine(client=no_pause, is_sender=True, init_info=info)._can_pause(info)
+    assert "token" not in repr(ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, token="s" * 20))
