@@ -27,7 +27,7 @@ TOKEN = "multiproc-test-token-0123456789"
 VERSIONS = 4
 
 
-def _job(rank, _world, port, token, pause):
+def _job(rank, _world, port, token, pause, rounds=None):
     try:
         side, tensors, layouts, r = make_side(rank, port, token=token,
                                               connect_timeout=timedelta(seconds=8))
@@ -35,6 +35,10 @@ def _job(rank, _world, port, token, pause):
         return {"error": type(e).__name__, "message": str(e)}
     log = {"checksum": [ex.checksum for ex in side.executors], "exact": []}
     for version in range(1, VERSIONS + 1):
+        if rounds is not None and version == VERSIONS:  # the attacks ran meanwhile, however
+            deadline = time.monotonic() + 60  # fast or slow this host: 2 rounds at least
+            while rounds.value < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
         if rank < T:
             set_version(tensors, layouts, r, version)
             side.refit(version)
@@ -53,15 +57,15 @@ class Attacker:
     a process of its own, started before the jobs (a thread would be copied, mid-call,
     into the jobs' forked processes)."""
 
-    def __init__(self, port: int, stop: mp.Event) -> None:
-        self.port, self.stop = port, stop
+    def __init__(self, port: int, stop: mp.Event, rounds: mp.Value) -> None:
+        self.port, self.stop, self.rounds = port, stop, rounds
         self.seen: dict[str, list] = {k: [] for k in ("wrong", "none", "replay", "garbage",
                                                        "stall", "flood")}
         self.heard = b""  # every byte the gate sent the attacker
 
     @classmethod
-    def main(cls, port: int, stop: mp.Event, out: mp.Queue) -> None:
-        attacker = cls(port, stop)
+    def main(cls, port: int, stop: mp.Event, out: mp.Queue, rounds: mp.Value) -> None:
+        attacker = cls(port, stop, rounds)
         attacker.run()
         out.put((attacker.seen, attacker.heard))
 
@@ -95,6 +99,8 @@ class Attacker:
                 self._round()
             except OSError:  # the jobs ended and took the gate with them
                 break
+            with self.rounds.get_lock():
+                self.rounds.value += 1
         self.seen["stall"].append(self._until_closed(stalled))
         self.seen["flood"] = [self._until_closed(s) for s in flood]
 
@@ -138,11 +144,11 @@ class Attacker:
 def test_hostile_client_during_a_real_refit_gets_nothing_and_every_refit_lands_exact():
     port = free_port()
     ctx = mp.get_context("fork")
-    stop, out = ctx.Event(), ctx.Queue()
-    attacker = ctx.Process(target=Attacker.main, args=(port, stop, out), daemon=True)
+    stop, out, rounds = ctx.Event(), ctx.Queue(), ctx.Value("i", 0)
+    attacker = ctx.Process(target=Attacker.main, args=(port, stop, out, rounds), daemon=True)
     attacker.start()
     try:
-        logs = run_processes(_job, 2 * T, port, TOKEN, 0.5, init=False, timeout=150)
+        logs = run_processes(_job, 2 * T, port, TOKEN, 0.5, rounds, init=False, timeout=150)
     finally:
         stop.set()
     seen, heard = out.get(timeout=120)

@@ -358,7 +358,9 @@ def _check_world_readable() -> None:
     import sys
     from pathlib import Path
 
-    for top in {Path(sys.prefix), Path(__file__).resolve().parent}:
+    # in this order, always (a set's order changes with the process's hash seed): the
+    # environment first, then this package
+    for top in dict.fromkeys((Path(sys.prefix), Path(__file__).resolve().parent)):
         for d in [top, *top.parents]:
             mode = d.stat().st_mode
             need = stat.S_IXOTH | (stat.S_IROTH if d == top else 0)
