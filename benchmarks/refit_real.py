@@ -56,6 +56,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 
+_QWEN25_15B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    max_position_embeddings=32768, rms_norm_eps=1e-6)
+# Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads of 128, 4 kv heads, experts of
+# 768, top-8, vocabulary 151936 untied), 8 layers of 16 experts: 1.38B parameters
+_QWEN3_MOE = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=16, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+    max_position_embeddings=40960, rms_norm_eps=1e-6)
 #: (transformers model_type, config) of each model, sizes from the published configs.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b": ("qwen3", dict(
@@ -66,34 +78,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
         max_position_embeddings=131072, rms_norm_eps=1e-5)),
-    "qwen2.5-1.5b": ("qwen2", dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-        max_position_embeddings=32768, rms_norm_eps=1e-6)),
-    # Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads of 128, 4 kv heads, experts of
-    # 768, top-8, vocabulary 151936 untied), 8 layers of 16 experts: 1.38B parameters
-    "qwen3-moe-1.4b": ("qwen3_moe", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=16, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
-        max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    "qwen2.5-1.5b": ("qwen2", _QWEN25_15B),
+    "qwen3-moe-1.4b": ("qwen3_moe", _QWEN3_MOE),
     # what fits a 12 GiB share of a 24 GiB host (expected_peak_bytes): Qwen2.5-0.5B, and
     # the shapes above cut to fewer layers and experts
     "qwen2.5-0.5b": ("qwen2", dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=32768, rms_norm_eps=1e-6)),
-    "qwen2.5-1.5b-12l": ("qwen2", dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=12, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-        max_position_embeddings=32768, rms_norm_eps=1e-6)),
-    "qwen3-moe-0.8b": ("qwen3_moe", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=8, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
-        max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    "qwen2.5-1.5b-12l": ("qwen2", {**_QWEN25_15B, "num_hidden_layers": 12}),
+    "qwen3-moe-0.8b": ("qwen3_moe", {**_QWEN3_MOE, "num_hidden_layers": 3, "num_experts": 8}),
     # for developing the benchmark
     "tiny": ("qwen3", dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -37,10 +37,12 @@ import threading
 import time
 from pathlib import Path
 
+from refit_real import MODELS
+
 MODES = ("none", "stop-the-world", "overlapped")
-QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  vocab_size=151936, tie_word_embeddings=True)
+# the Qwen3-0.6B shape of the real-size benchmark (this script's folder is on sys.path),
+# its context cut to the server's
+QWEN3_0_6B = {**MODELS["qwen3-0.6b"][1], "max_position_embeddings": 512}
 
 
 # ------------------------------------------------------------------------------ trainer

@@ -9,6 +9,7 @@ import builtins
 import os
 import re
 import warnings
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -104,17 +105,18 @@ def save_step(state: dict[str, Any], out_dir: str | Path, step: int) -> Path:
     return path
 
 
-def vllm_cpu_env() -> None:
+def vllm_cpu_env(env: MutableMapping[str, str] = os.environ) -> None:
     """vLLM CPU settings, read at ``import vllm`` and inherited by its workers (the KV
-    cache's size is an engine argument: :data:`KV_CACHE_BYTES`)."""
+    cache's size is an engine argument: :data:`KV_CACHE_BYTES`), as defaults in ``env``
+    (this process's environment, or that of one it starts)."""
     cores = sorted(os.sched_getaffinity(0))
     bind = f"{cores[0]}|{cores[1]}" if len(cores) >= 2 else f"{cores[0]}|{cores[0]}"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # at shutdown vLLM waits this long for its workers to exit on their own (default 5 s;
     # they took 18 s here on a busy host), then terminates them
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
+    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
 
 
 #: What the demos set, where the user has not, so that they print what a user needs and

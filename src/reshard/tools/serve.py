@@ -54,14 +54,7 @@ def serve_env(**overrides: str) -> dict[str, str]:
     from reshard.tools.rl_task import vllm_cpu_env
 
     env = dict(os.environ)
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "TORCH_CPP_LOG_LEVEL",
-                                            "VLLM_LOGGING_LEVEL",
-                                            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")}
-    vllm_cpu_env()  # sets defaults in os.environ: copy them, then put it back
-    env.update({k: os.environ[k] for k in saved})
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
+    vllm_cpu_env(env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(overrides)
     return env
