@@ -325,7 +325,11 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
     import torch
 
     from reshard.integrations import hf
-    from reshard.integrations.vllm_internals import reset_peak_rss, rss_bytes
+    from reshard.integrations.vllm_internals import (
+        reset_peak_rss,
+        return_freed_memory,
+        rss_bytes,
+    )
     from reshard.refit import RefitSender
     from reshard.tools.bench import floor_runner
 
@@ -383,6 +387,8 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
             out["written"] = save_safetensors(params, kind, rank, Path(args[0]))
         else:
             raise ValueError(f"unknown trainer command {cmd!r}")
+        if cmd in ("gb", "save"):  # gathered full tensors: back to the host (a model
+            return_freed_memory()   # near the host's memory runs every method after)
         out["seconds"] = time.perf_counter() - t0
         replies.put((cmd, rank, out))
 

@@ -104,6 +104,7 @@ class BenchExtension(ReshardWorkerExtension):
             t1 = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             load_s += time.perf_counter() - t1
+        return_freed_memory()  # the buckets and the reload's copies: back to the host
         return {"seconds": time.perf_counter() - t0, "bytes_received": received,
                 "load_seconds": load_s}
 
@@ -122,6 +123,7 @@ class BenchExtension(ReshardWorkerExtension):
         # under a kernel that reads them packed (reshard's commit does the same)
         reset_moe_kernels(self.model_runner.get_model())
         self.reload_weights(weights_iterator=safetensors_weights_iterator(files, False))
+        return_freed_memory()  # the reload's transient copies: back to the host
         return {"seconds": time.perf_counter() - t0,
                 "bytes_received": sum(Path(f).stat().st_size for f in files)}
 
@@ -135,8 +137,18 @@ class BenchExtension(ReshardWorkerExtension):
         floor): exactly the bytes of the plan, per rank pair, as ``reshard bench``."""
         from reshard.tools.bench import floor_runner
 
-        receiver = self._reshard_state().receiver
+        state = self._reshard_state()
+        receiver = state.receiver
         if getattr(self, "_bench_floor", None) is None:
+            # the floor runs after reshard's last refit and check: the logical buffers
+            # (this rank's shard) give way to the floor's own receive buffers (the same
+            # bytes), so a model near the host's memory runs it as it ran reshard
+            state.buffers.clear()
+            receiver.targets, receiver.shadow = {}, {}
+            for ex in receiver.executors:  # their staging arenas
+                if getattr(ex, "_runner", None) is not None and hasattr(ex._runner, "release"):
+                    ex._runner.release()
+            return_freed_memory()
             self._bench_floor = floor_runner(receiver.meeting.plan, receiver.comm)
         t0 = time.perf_counter()
         self._bench_floor()

@@ -41,7 +41,10 @@ class LibraryStager:
 
         self.runner = RankRunner(schedule, _NoComm(rank), dtypes=dtypes)
         self.runner.device = torch.device(device)
-        self.arenas = dict(zip(("pack", "unpack"), self.runner._arenas()))
+        # every message staged, at its place in the full layout (a run stages only those
+        # that cannot travel in place, RankRunner._staged)
+        self.arenas = {side: torch.empty(n, dtype=torch.uint8, device=device)
+                       for side, n in zip(("pack", "unpack"), self.runner.staging_bytes)}
         self._rounds = {side: [[(a, b, hops, offsets) for _, a, b, hops, offsets in r[i][0]]
                                for r in self.runner.rounds]
                         for side, i in (("pack", 2), ("unpack", 3))}

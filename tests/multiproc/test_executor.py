@@ -97,6 +97,49 @@ def test_round_by_round_posting_bit_identical(method):
             assert ok, f"rank {rank} case {i} method {method}"
 
 
+def _arena_worker(rank, world, ordered):
+    """Two ranks: rank 0 sends two large tensors to rank 1, one of them cast, and two
+    small ones, packed together into one message."""
+    S = R.Shard
+    src = {"same": _layout((1024, 512), [0], [S(0)]),
+           "cast": _layout((1024, 512), [0], [S(0)]),
+           "small": _layout((4, 8), [0], [S(0)]),
+           "small2": _layout((8, 8), [0], [S(0)])}
+    dst = {"same": _layout((1024, 512), [1], [S(0)]),
+           "cast": _layout((1024, 512), [1], [S(0)], "bfloat16"),
+           "small": _layout((4, 8), [1], [S(0)]),
+           "small2": _layout((8, 8), [1], [S(0)])}
+    plan = R.plan(src, dst, allow_cast=True)
+    full = _globals(src, 3)
+    mine_src = {n: full[n] for n in src} if rank == 0 else {}
+    mine_dst = {n: torch.zeros(lay.shape, dtype=getattr(torch, lay.dtype))
+                for n, lay in dst.items()} if rank == 1 else {}
+    ex = Executor(plan, method="p2p", budget_bytes=64 << 20)
+    ex._runner.ordered = ordered
+    out = []
+    for _ in range(2):
+        ex.run(mine_src, mine_dst)
+        ok = all(torch.equal(mine_dst[n], full[n].to(mine_dst[n].dtype)) for n in dst) \
+            if rank == 1 else True
+        out.append((ok, ex._runner._send_arena.numel(), ex._runner._recv_arena.numel(),
+                    ex._runner.staging_bytes))
+    return out
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_arenas_hold_only_staged_messages(ordered):
+    """A message that lands in place takes no arena room: the receiver's arena holds
+    only the small tensors' packed message, the sender's the cast region and that
+    message."""
+    results = run_processes(_arena_worker, 2, ordered, timeout=120)
+    assert all(ok for ok, *_ in results[0] + results[1])
+    (_, send0, recv0, whole0), (_, send1, recv1, _) = results[0][-1], results[1][-1]
+    assert recv0 == 0 and send1 == 0
+    assert 1024 * 512 * 2 <= send0 < 1024 * 512 * 2 + 4096  # the cast rows + the small ones
+    assert 0 < recv1 <= 4096  # the small tensors' message; not the 3 MiB of the rest
+    assert whole0[0] >= 1024 * 512 * 4  # staging every message: the 2 MiB one's round
+
+
 def test_small_budget_moves_in_rounds():
     results = run_processes(_worker, 8, _cases()[:1], "reshard", 1024, timeout=180)
     assert all(ok for per_case in results for ok, _, _ in per_case)

@@ -5,6 +5,12 @@ buffer and everything it receives from one peer arrives in one; sends and receiv
 the round are posted together (``batch_isend_irecv``), then received bytes are
 unpacked straight into the destination tensors. Works on any backend and device.
 
+A message that is one contiguous region in the right dtype travels without staging:
+straight out of the source tensor, straight into the destination tensor. Only the
+others take room in the staging arenas, which are laid out for them alone (per round,
+end to end, from the tensors of the run): a receiver whose regions all arrive in place,
+as an inference engine's logical buffers mostly do, holds next to no arena.
+
 Gloo matches a pair's messages by tag, so messages that need no packing are posted up
 front, tagged with their round. NCCL ignores tags and matches in posting order, and
 two ranks exchanging both ways must post in one group call: on such backends each
@@ -105,25 +111,57 @@ class RankRunner:
 
     @property
     def staging_bytes(self) -> tuple[int, int]:
-        """(send arena, receive arena) sizes: the most any round stages."""
+        """(send arena, receive arena) sizes if every message were staged: the most any
+        round would stage (a run stages only the messages that cannot travel in place,
+        :meth:`_staged`)."""
         send = max((r[2][1] for r in self.rounds), default=0)
         recv = max((r[3][1] for r in self.rounds), default=0)
         return send, recv
 
+    def _staged(self) -> tuple[dict[tuple[int, str, int], tuple[int, int]], int, int]:
+        """Where each message that needs staging goes in its arena, for the tensors now
+        bound: ``{(round, "send"|"recv", peer): (start, stop)}`` and the two arena sizes.
+        A receive lands in place when its one region is contiguous in the destination,
+        a send leaves from the source when its one region is contiguous in the sent
+        dtype; the rest are laid end to end per round. Kept while the same tensors come
+        back (the views' geometry key)."""
+        key = self.views.bound_key
+        if key is not None and getattr(self, "_staged_key", None) == key:
+            return self._staged_layout
+        where: dict[tuple[int, str, int], tuple[int, int]] = {}
+        sizes = {"send": 0, "recv": 0}
+        for k, _, sends, recvs in self.rounds:
+            for kind, messages, in_place in (("send", sends[0], self.views.direct_src),
+                                             ("recv", recvs[0], self.views.direct_dst)):
+                pos = 0
+                for peer, _, _, hops, _ in messages:
+                    if in_place(hops) is not None:
+                        continue
+                    offsets, nbytes = _layout_message(hops)
+                    where[k, kind, peer] = (pos, pos + nbytes)
+                    pos = -(-(pos + nbytes) // _ALIGN) * _ALIGN
+                sizes[kind] = max(sizes[kind], pos)
+        self._staged_key = key
+        self._staged_layout = (where, sizes["send"], sizes["recv"])
+        return self._staged_layout
+
     def _arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staging buffers, allocated once and reused by every round and every run."""
+        """Staging buffers, sized for this run's staged messages, reused by every round
+        and every run while they are large enough."""
+        _, send, recv = self._staged()
         key = self.device
-        if getattr(self, "_arena_key", None) != key:
-            send, recv = self.staging_bytes
+        if (getattr(self, "_arena_key", None) != key or self._send_arena.numel() < send
+                or self._recv_arena.numel() < recv):
+            self._send_arena = self._recv_arena = None  # the old ones go first
             self._send_arena = torch.empty(send, dtype=torch.uint8, device=key)
             self._recv_arena = torch.empty(recv, dtype=torch.uint8, device=key)
             self._arena_key = key
-            self.views.clear()  # views into the old arenas
+            self.views.clear_slots()  # views into the old arenas
         return self._send_arena, self._recv_arena
 
     def release(self) -> None:
         """Free the staging buffers (they are re-made on the next run)."""
-        self._arena_key = None
+        self._arena_key = self._staged_key = None
         self._send_arena = self._recv_arena = None
         self.views.clear()
 
@@ -141,15 +179,16 @@ class RankRunner:
         self.broken = False
         self._digests: dict[tuple[str, int], dict[int, int]] = {}  # (send|recv, peer) -> k -> d
         self._early_meta: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
-        send_arena, recv_arena = self._arenas()
         self.views.bind(src, dst)
+        send_arena, recv_arena = self._arenas()
+        self._where = self._staged()[0]
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
         self._direct: dict[tuple[int, str, int], torch.Tensor] = {}
         try:
             return self._run_all(send_arena, recv_arena)
         finally:  # keep none of the caller's tensors past the run
             self.views.unbind()
-            self._direct, self._early_meta = {}, {}
+            self._direct, self._early_meta, self._where = {}, {}, {}
 
     def _run_all(self, send_arena: torch.Tensor, recv_arena: torch.Tensor) -> RunStats:
         try:
@@ -215,7 +254,9 @@ class RankRunner:
         self.stats.num_messages += 1
 
     def _run_round(self, k, local, sends, recvs, send_arena, recv_arena, early) -> None:
-        packed_recvs = [r for r in recvs if (k, "recv", r[0]) not in self._direct]
+        packed_recvs = [(peer, *self._where[k, "recv", peer], hops, offsets)
+                        for peer, _, _, hops, offsets in recvs
+                        if (k, "recv", peer) not in self._direct]
         recv_works = self.comm.exchange((), [(recv_arena[a:b], peer)
                                              for peer, a, b, _, _ in packed_recvs], k)
         send_works = []
@@ -228,6 +269,7 @@ class RankRunner:
             # source reads were tried for the unpacked path up front; forwards only now
             buf = self.views.direct_src(hops) if hops[0].read_from == DEST else None
             if buf is None:
+                a, b = self._where[k, "send", peer]
                 buf = self._pack(send_arena, a, b, hops, offsets)
             else:
                 self.stats.direct_messages += 1
@@ -260,11 +302,14 @@ class RankRunner:
             buf = self.views.direct_dst(hops)
             if buf is not None:
                 self.stats.direct_messages += 1
+            else:
+                a, b = self._where[k, "recv", peer]
             incoming.append((peer, buf, a, b, hops, offsets))
         outgoing = []
         for peer, a, b, hops, offsets in sends:
             buf = self.views.direct_src(hops)
             if buf is None:
+                a, b = self._where[k, "send", peer]
                 buf = self._pack(send_arena, a, b, hops, offsets)
             else:
                 self.stats.direct_messages += 1

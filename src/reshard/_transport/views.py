@@ -60,9 +60,19 @@ class RegionViews:
         """End of a run: let go of the caller's tensors."""
         self.src, self.dst, self._run = {}, {}, {}
 
+    @property
+    def bound_key(self) -> tuple | None:
+        """What the tensors of this run are (memory and layout), or None: equal keys,
+        equal geometry."""
+        return self._bound
+
     def clear(self) -> None:
-        """Forget everything (the arenas were re-made or released)."""
+        """Forget everything (the arenas were released)."""
         self._bound, self._geometry, self._run, self._slots = None, {}, {}, {}
+
+    def clear_slots(self) -> None:
+        """Forget the views into the arenas (they were re-made)."""
+        self._slots = {}
 
     def read(self, h: Hop) -> torch.Tensor:
         """Where a hop's bytes come from: the sender's source tensor, or its destination
