@@ -146,8 +146,7 @@ class BenchExtension(ReshardWorkerExtension):
             state.buffers.clear()
             receiver.targets, receiver.shadow = {}, {}
             for ex in receiver.executors:  # their staging arenas
-                if getattr(ex, "_runner", None) is not None and hasattr(ex._runner, "release"):
-                    ex._runner.release()
+                ex.release()
             return_freed_memory()
             self._bench_floor = floor_runner(receiver.meeting.plan, receiver.comm)
         t0 = time.perf_counter()

@@ -70,6 +70,11 @@ class Executor:
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
 
+    def release(self) -> None:
+        """Free this rank's staging memory now (it is made again by the next run)."""
+        if self._runner is not None and hasattr(self._runner, "release"):
+            self._runner.release()
+
     def _new_runner(self) -> Any:
         if self.method == "gather_broadcast":
             return None

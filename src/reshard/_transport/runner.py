@@ -123,8 +123,8 @@ class RankRunner:
         bound: ``{(round, "send"|"recv", peer): (start, stop)}`` and the two arena sizes.
         A receive lands in place when its one region is contiguous in the destination,
         a send leaves from the source when its one region is contiguous in the sent
-        dtype; the rest are laid end to end per round. Kept while the same tensors come
-        back (the views' geometry key)."""
+        dtype; the rest are laid end to end per round (:func:`_arena_layout`). Kept while
+        the same tensors come back (the views' geometry key)."""
         key = self.views.bound_key
         if key is not None and getattr(self, "_staged_key", None) == key:
             return self._staged_layout
@@ -133,22 +133,17 @@ class RankRunner:
         for k, _, sends, recvs in self.rounds:
             for kind, messages, in_place in (("send", sends[0], self.views.direct_src),
                                              ("recv", recvs[0], self.views.direct_dst)):
-                pos = 0
-                for peer, _, _, hops, _ in messages:
-                    if in_place(hops) is not None:
-                        continue
-                    offsets, nbytes = _layout_message(hops)
-                    where[k, kind, peer] = (pos, pos + nbytes)
-                    pos = -(-(pos + nbytes) // _ALIGN) * _ALIGN
-                sizes[kind] = max(sizes[kind], pos)
+                staged, total = _arena_layout({peer: hops for peer, _, _, hops, _ in messages
+                                               if in_place(hops) is None})
+                where.update({(k, kind, peer): (a, b) for peer, a, b, _, _ in staged})
+                sizes[kind] = max(sizes[kind], total)
         self._staged_key = key
         self._staged_layout = (where, sizes["send"], sizes["recv"])
         return self._staged_layout
 
-    def _arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staging buffers, sized for this run's staged messages, reused by every round
-        and every run while they are large enough."""
-        _, send, recv = self._staged()
+    def _arenas(self, send: int, recv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staging buffers of at least these sizes, reused by every round and every run
+        while they are large enough."""
         key = self.device
         if (getattr(self, "_arena_key", None) != key or self._send_arena.numel() < send
                 or self._recv_arena.numel() < recv):
@@ -180,8 +175,8 @@ class RankRunner:
         self._digests: dict[tuple[str, int], dict[int, int]] = {}  # (send|recv, peer) -> k -> d
         self._early_meta: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         self.views.bind(src, dst)
-        send_arena, recv_arena = self._arenas()
-        self._where = self._staged()[0]
+        self._where, send, recv = self._staged()
+        send_arena, recv_arena = self._arenas(send, recv)
         self.stats.peak_staging_bytes = send_arena.numel() + recv_arena.numel()
         self._direct: dict[tuple[int, str, int], torch.Tensor] = {}
         try:
