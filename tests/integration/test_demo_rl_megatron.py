@@ -60,5 +60,6 @@ def test_rl_demo_with_a_megatron_tp2_pp2_trainer_verifies_every_step(tmp_path):
     assert len(samples) == STEPS, out
     # a clean run: none of the libraries' warnings, tracebacks or forced shutdowns
     noise = [line for line in (out + proc.stderr).splitlines()
-             if re.search(r"Traceback|WARNING|Warning\b|DEPRECATED|force kill|it/s\]", line)]
+             if re.search(r"Traceback|WARNING|Warning\b|DEPRECATED|force kill|it/s\]"
+                          r"|did not exit within", line)]
     assert not noise, noise

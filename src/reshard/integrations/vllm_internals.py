@@ -20,11 +20,11 @@ import torch
 from reshard.integrations.vllm_mapping import MappingError
 
 __all__ = [
-    "derived_buffers", "direct_modules", "has_own_lm_head", "kept_live", "logical_params",
-    "packed_gemm_mismatches", "params_held", "process_in_place", "quiet_reload",
-    "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss", "restore_loaders",
-    "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in", "take_over",
-    "tied_aliases",
+    "HeapBound", "derived_buffers", "direct_modules", "has_own_lm_head", "kept_live",
+    "logical_params", "packed_gemm_mismatches", "params_held", "process_in_place",
+    "quiet_reload", "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss",
+    "restore_loaders", "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in",
+    "take_over", "tied_aliases",
 ]
 
 
@@ -395,6 +395,28 @@ def return_freed_memory() -> None:
 
     with contextlib.suppress(OSError, AttributeError, TypeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+class HeapBound:
+    """Keeps a commit's resident memory within ``slack`` bytes of where it began: call
+    :meth:`check` after each module; it hands the freed heap back
+    (:func:`return_freed_memory`) whenever the process has grown by more.
+
+    A commit frees each module's old packed GEMM copy and makes a new one of the same
+    size, but glibc does not always serve the new one from the chunk just freed: it may
+    take a free chunk whose pages an earlier trim gave back (faulting them in again)
+    and keep the old one's pages resident. Traced per module on vLLM CPU (Qwen2.5-1.5B
+    shapes, 12 layers, TP2), an engine rank grew by 42-110 MB per commit that way, one
+    module's copy at a time, until the closing trim. A trim costs a few milliseconds,
+    so it runs only when the slack is spent."""
+
+    def __init__(self, slack: int = 32 << 20) -> None:
+        self.slack, self.base, self.trims = slack, rss_bytes(), 0
+
+    def check(self) -> None:
+        if rss_bytes() - self.base > self.slack:
+            return_freed_memory()
+            self.trims += 1
 
 
 def reset_peak_rss() -> bool:

@@ -73,6 +73,7 @@ import torch
 from reshard.defaults import DEFAULT_BUDGET_BYTES
 from reshard.errors import ReshardError
 from reshard.integrations.vllm_internals import (
+    HeapBound,
     derived_buffers,
     direct_modules,
     has_own_lm_head,
@@ -426,7 +427,9 @@ class ReshardState:
         unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
         prepared, self.prepared = self.prepared, {}
         written: set[int] = set()  # storages a hand-over wrote (a tied weight: once)
+        heap = HeapBound()
         for mname, names in self.direct.items():
+            heap.check()
             module = self.model.get_submodule(mname) if mname else self.model
             logical = {self.where[n][1]: self.buffers[n] for n in names}
             if mname in prepared:  # processed beside the engine: hand it over

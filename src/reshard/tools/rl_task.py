@@ -163,10 +163,23 @@ def quiet_env(verbose: bool) -> None:
 SHUTDOWN_TIMEOUT_S = 120.0
 
 
-def shutdown(llm: Any) -> None:
+def shutdown(llm: Any) -> list[str]:
     """Shut the vLLM engine ``llm`` down cleanly: its engine core and workers exit on
-    their own, within :data:`SHUTDOWN_TIMEOUT_S`."""
-    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    their own, within :data:`SHUTDOWN_TIMEOUT_S`. Returns the names of the engine's
+    processes vLLM had to kill instead (none when the shutdown was clean), and says so:
+    such a process leaves its shared-memory queues to Python's resource tracker, which
+    reports them as leaked when the program ends."""
+    import signal
+
+    core = llm.llm_engine.engine_core
+    core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    killed = [p.name for p in getattr(manager, "processes", None) or []
+              if p.exitcode == -signal.SIGKILL]
+    if killed:
+        print(f"vLLM's {', '.join(killed)} did not exit within {SHUTDOWN_TIMEOUT_S:.0f} s "
+              f"of its shutdown and was killed", flush=True)
+    return killed
 
 
 def sample_text(tokenizer: Any, rollout: Rollout) -> str:

@@ -1,0 +1,60 @@
+"""HeapBound, the commit's bound on freed heap memory kept resident, isolated from the
+process's real memory: it hands the freed heap back only once the growth since the
+commit began exceeds its slack, and measures growth from where the commit began."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.integrations import vllm_internals
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    """The resident memory HeapBound reads, and the trims it asks for, under the test's
+    control: a trim gives back what was freed (``state["freed"]``)."""
+    state = {"rss": 1000 << 20, "freed": 0, "trims": 0}
+
+    def trim() -> None:
+        state["trims"] += 1
+        state["rss"] -= state["freed"]
+        state["freed"] = 0
+
+    monkeypatch.setattr(vllm_internals, "rss_bytes", lambda field="VmRSS": state["rss"])
+    monkeypatch.setattr(vllm_internals, "return_freed_memory", trim)
+    return state
+
+
+def test_no_trim_while_the_growth_is_within_the_slack(memory):
+    heap = vllm_internals.HeapBound(slack=32 << 20)
+    for _ in range(4):  # four modules of 8 MB whose old copies stay resident
+        memory["rss"] += 8 << 20
+        memory["freed"] += 8 << 20
+        heap.check()
+    assert heap.trims == memory["trims"] == 0  # 32 MB: at the slack, not beyond
+
+
+def test_trims_once_the_slack_is_spent_and_the_growth_stays_bounded(memory):
+    start = memory["rss"]
+    heap = vllm_internals.HeapBound(slack=32 << 20)
+    peak = start
+    for _ in range(30):  # each module's new copy faults in; its old one stays resident
+        heap.check()
+        memory["rss"] += 14 << 20
+        memory["freed"] += 14 << 20
+        peak = max(peak, memory["rss"])
+    heap.check()
+    assert heap.trims == memory["trims"] > 0
+    # never more than the slack plus one module's copy above where the commit began
+    assert peak - start <= (32 << 20) + (14 << 20)
+    assert memory["rss"] - start <= 32 << 20
+
+
+def test_growth_is_measured_from_where_the_commit_began(memory):
+    memory["rss"] += 500 << 20  # the received buffers, before the commit
+    heap = vllm_internals.HeapBound(slack=32 << 20)
+    heap.check()
+    assert heap.trims == 0
+    memory["rss"] += 33 << 20
+    heap.check()
+    assert heap.trims == 1
