@@ -57,10 +57,12 @@ from reshard.tools.launch import free_port  # noqa: E402
 
 #: (family, trainer sharding, engine dtype, vLLM TP, refit steps): every family in bf16;
 #: in fp32 too where the dtype changes what vLLM computes from the weights at commit
-#: (Nemotron-H's Mamba ``A = -exp(A_log)``); a dense model at TP1 (fp32) and TP4 (bf16; 2
-#: kv heads, so replicated). The other families' fp32 cases map, send and load as their
-#: bf16 ones do (the sender casts as the engine's loader casts), so they are in
-#: MORE_CASES: two engines each, ~55 s, on a suite that must stay near 25 minutes
+#: (Nemotron-H's Mamba ``A = -exp(A_log)``); a dense model at TP1 (fp32), and with one kv
+#: head at TP2 (``llama_1kv``: the kv head replicated on both ranks, as 2 kv heads are at
+#: TP4). The other families' fp32 cases map, send and load as their bf16 ones do (the
+#: sender casts as the engine's loader casts), and TP4 runs four engine processes on two
+#: cores (166 s a case), so they are in MORE_CASES, on a suite that must stay near 25
+#: minutes
 CASES = [
     ("gemma2", "fsdp", "bfloat16", 2, 1),
     ("mixtral", "fsdp", "bfloat16", 2, 1),
@@ -70,7 +72,7 @@ CASES = [
     ("nemotron_h", "fsdp", "bfloat16", 2, 1),
     ("nemotron_h", "fsdp", "float32", 2, 1),
     ("llama", "fsdp", "float32", 1, 1),
-    ("llama", "fsdp", "bfloat16", 4, 1),
+    ("llama_1kv", "fsdp", "bfloat16", 2, 1),
 ]
 #: the other dtype of each family, and at TP1 and TP4, run with RESHARD_ALL_FAMILIES=1
 MORE_CASES = [
@@ -80,8 +82,11 @@ MORE_CASES = [
     ("gemma2", "fsdp", "float32", 2, 1),
     ("mixtral", "fsdp", "float32", 2, 1),
     ("llama", "fsdp", "bfloat16", 1, 1),
+    ("llama", "fsdp", "bfloat16", 4, 1),
     ("llama", "fsdp", "float32", 4, 1),
 ]
+#: test kinds that are a family's tiny model with other sizes: kind -> (family, overrides)
+VARIANTS = {"llama_1kv": ("llama", {"num_key_value_heads": 1})}
 if os.environ.get("RESHARD_ALL_FAMILIES") == "1":
     CASES += MORE_CASES
 
@@ -140,7 +145,8 @@ def models(tmp_path_factory):
 
     def get(kind: str) -> Path:
         if kind not in dirs:
-            dirs[kind] = hf.build_tiny_model(root / kind, kind)
+            family, overrides = VARIANTS.get(kind, (kind, {}))
+            dirs[kind] = hf.build_tiny_model(root / kind, family, **overrides)
         return dirs[kind]
     return get
 
