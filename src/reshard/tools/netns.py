@@ -362,10 +362,16 @@ def _check_world_readable() -> None:
     # environment first, then this package
     for top in dict.fromkeys((Path(sys.prefix), Path(__file__).resolve().parent)):
         for d in [top, *top.parents]:
-            mode = d.stat().st_mode
-            need = stat.S_IXOTH | (stat.S_IROTH if d == top else 0)
+            st = d.stat()
+            # the unprivileged uid keeps this process's group: where the directory
+            # belongs to that group, its group bits decide, not the others' bits
+            if st.st_gid == os.getegid():
+                need = stat.S_IXGRP | (stat.S_IRGRP if d == top else 0)
+            else:
+                need = stat.S_IXOTH | (stat.S_IROTH if d == top else 0)
+            mode = st.st_mode
             if mode & need != need:
                 raise NetnsUnavailableError(
                     f"a card per rank runs each rank with an unprivileged filesystem uid, "
                     f"which cannot read {top}: {d} has mode {stat.filemode(mode)} (let "
-                    f"other users read it, e.g. chmod o+rx, or use one link per node)")
+                    f"other users read it, e.g. chmod go+rx, or use one link per node)")
