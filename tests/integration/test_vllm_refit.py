@@ -452,6 +452,8 @@ def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
         check_good_refit(rec, step)
         check_memory(rec, cfg)
         assert all(any("experts" in n for n in i["buffered"]) for i in rec["info"])
+        # prepacked in place (no layerwise reload of the experts), bit for bit as vLLM
+        assert all(i["prepacked_experts"] for i in rec["info"]), rec["info"]
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
 
 

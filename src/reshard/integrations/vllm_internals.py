@@ -21,8 +21,9 @@ import torch
 from reshard.integrations.vllm_mapping import MappingError
 
 __all__ = [
-    "HeapBound", "derived_buffers", "direct_modules", "has_own_lm_head", "kept_live",
-    "logical_params", "packed_gemm_mismatches", "params_held", "process_in_place",
+    "HeapBound", "cpu_experts", "derived_buffers", "direct_experts", "direct_modules",
+    "has_own_lm_head", "kept_live", "logical_params", "packed_expert_mismatches",
+    "packed_gemm_mismatches", "params_held", "prepack_experts", "process_in_place",
     "quiet_reload", "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss",
     "restore_loaders", "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in",
     "take_over", "tied_aliases",
@@ -152,10 +153,13 @@ def quiet_reload(model: torch.nn.Module, kept: set[str] = frozenset()) -> Any:
         logger.removeFilter(f)
 
 
-def reset_moe_kernels(model: torch.nn.Module) -> int:
-    """vLLM 0.32 CPU MoE: force the first-load processing (pad + prepack) on reload."""
+def reset_moe_kernels(model: torch.nn.Module,
+                      only: Sequence[torch.nn.Module] | None = None) -> int:
+    """vLLM 0.32 CPU MoE: force the first-load processing (pad + prepack) on reload, for
+    every module of ``model`` or ``only`` those given (the ones a reload processes: an
+    expert module whose kernel is reset and not reloaded would lose its kernel)."""
     n = 0
-    for module in model.modules():
+    for module in model.modules() if only is None else only:
         qm = getattr(module, "quant_method", None)
         if qm is not None and hasattr(qm, "moe_kernel"):
             qm.moe_kernel = None
@@ -294,6 +298,132 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
                                    f"{live.numel()}")
             live.data.copy_(now)
         module._parameters[attr] = live
+
+
+#: The parameters of vLLM CPU's unquantized MoE experts a commit prepacks straight into
+#: their live storage (:func:`prepack_experts`).
+_EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def cpu_experts(module: torch.nn.Module) -> Any | None:
+    """The grouped-GEMM experts of vLLM CPU's unquantized MoE behind ``module`` (a
+    ``CPUUnquantizedExperts``: its ``isa`` names the prepacked layout), or None where
+    the module is not such an expert layer, or its experts run through zentorch."""
+    qm = getattr(module, "quant_method", None)
+    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
+        return None
+    experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+            CPUUnquantizedExperts,
+        )
+    except ImportError:
+        return None
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch",
+                                                                   False):
+        return None
+    return experts
+
+
+def direct_experts(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
+                                                                     torch.dtype]],
+                   names: Sequence[str], excluded: set[str] = frozenset()
+                   ) -> dict[str, list[str]]:
+    """Module name -> its vLLM parameters among ``names``, for the MoE expert modules a
+    commit prepacks in place (:func:`prepack_experts`) rather than through layerwise
+    reload: vLLM CPU's unquantized experts (:func:`cpu_experts`) whose parameters are
+    all among ``names``, none in ``excluded``: ``w13_weight`` and ``w2_weight``, and
+    maybe others that vLLM keeps as loaded, but no expert biases (the kernel pads
+    those); a parameter it shares with a module listed first (DeepSeek's router
+    ``e_score_correction_bias``, which the gate owns) is committed with that module."""
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(where[name][0], []).append(name)
+    owner = {}  # parameter -> the module it is listed under (a tied one: its first)
+    for mn, attr, _, _ in where.values():
+        p = (model.get_submodule(mn) if mn else model)._parameters.get(attr)
+        owner[id(p)] = mn
+    out = {}
+    for mname, ns in by_module.items():
+        module = model.get_submodule(mname) if mname else model
+        attrs = {where[n][1]: n for n in ns}
+        # a parameter listed under another module is committed with that one
+        held = {a for a in params_held(module)
+                if owner.get(id(module._parameters[a]), mname) == mname}
+        kept_whole = all(tuple(getattr(module, a).shape) == where[n][2]
+                         for a, n in attrs.items() if a not in _EXPERT_WEIGHTS)
+        if (cpu_experts(module) is not None and set(attrs) == held >= set(_EXPERT_WEIGHTS)
+                and not held & {"w13_bias", "w2_bias"} and kept_whole
+                and not set(ns) & excluded):
+            out[mname] = ns
+    return out
+
+
+def _padded_experts(attr: str, logical: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """An expert weight in the shape vLLM CPU keeps it: its intermediate dimension
+    zero-padded to the kernel's alignment as ``CPUUnquantizedExperts`` pads it (each of
+    w13's gate and up halves; w2's last dimension), or ``logical`` itself if unpadded."""
+    if tuple(logical.shape) == tuple(shape):
+        return logical
+    e, rows, cols = logical.shape
+    if attr == "w13_weight" and (e, cols) == (shape[0], shape[2]) and shape[1] > rows:
+        i, p = rows // 2, shape[1] // 2
+        out = logical.new_zeros(shape)
+        out[:, :i], out[:, p:p + i] = logical[:, :i], logical[:, i:]
+        return out
+    if attr == "w2_weight" and (e, rows) == tuple(shape[:2]) and shape[2] > cols:
+        out = logical.new_zeros(shape)
+        out[:, :, :cols] = logical
+        return out
+    raise MappingError(f"MoE {attr}: vLLM holds {tuple(shape)}, which is no padding of "
+                       f"the logical {tuple(logical.shape)}")
+
+
+def prepack_experts(module: torch.nn.Module, logical: Mapping[str, torch.Tensor]) -> None:
+    """Write new expert weights into a vLLM CPU MoE layer (:func:`cpu_experts`) as its
+    processing after loading leaves them: padded, then prepacked by vLLM's own kernel
+    straight from the logical tensor into the live parameter's storage (the prepacked
+    layout has the padded shape); any other parameter (see :func:`direct_experts`) is
+    copied in place. Nothing of the layer is replaced, so the MoE kernel,
+    the parameters' metadata and every view of them stay valid; a commit holds no copy
+    of the experts beyond the logical buffers (a padded one, where the kernel pads)."""
+    experts = cpu_experts(module)
+    if experts is None:
+        raise MappingError(f"{type(module).__name__}: not vLLM CPU's unquantized MoE")
+    for attr, tensor in logical.items():  # the others, kept as loaded
+        if attr not in _EXPERT_WEIGHTS:
+            module._parameters[attr].data.copy_(tensor)
+    for attr in _EXPERT_WEIGHTS:
+        live = module._parameters[attr]
+        source = _padded_experts(attr, logical[attr], live.shape).contiguous()
+        if source.dtype != live.dtype or not live.is_contiguous():
+            raise MappingError(f"{type(module).__name__}.{attr}: live {live.dtype} "
+                               f"{tuple(live.shape)}, new {source.dtype}")
+        torch.ops._C.prepack_moe_weight(source, live.data, experts.isa)
+
+
+def packed_expert_mismatches(model: torch.nn.Module, reference: Mapping[str, torch.Tensor],
+                             modules: Sequence[str]) -> list[str]:
+    """The expert modules among ``modules`` whose live prepacked weights differ, bit for
+    bit, from what vLLM's own prepacking makes of ``reference`` (vLLM name -> this
+    rank's logical tensor)."""
+    bad = []
+    for mname in modules:
+        module = model.get_submodule(mname) if mname else model
+        experts = cpu_experts(module)
+        for attr in _EXPERT_WEIGHTS:
+            live, name = module._parameters[attr], f"{mname}.{attr}" if mname else attr
+            ref = reference.get(name)
+            if experts is None or ref is None:
+                bad.append(f"{name} (prepacked experts)")
+                continue
+            fresh = torch.empty_like(live)
+            torch.ops._C.prepack_moe_weight(
+                _padded_experts(attr, ref.to(live.dtype), live.shape).contiguous(), fresh,
+                experts.isa)
+            if not torch.equal(fresh.view(torch.uint8), live.data.view(torch.uint8)):
+                bad.append(f"{name} (prepacked experts)")
+    return bad
 
 
 def stand_in(module: torch.nn.Module) -> torch.nn.Module:

@@ -29,15 +29,20 @@ How a refit lands on one rank:
    packing; the old packed copy is dropped first), then gets its own parameters back,
    one module at a time (``vllm_internals.process_in_place``); an embedding beside an
    LM head of its own is written in place and its packed GEMM copy, which nothing
-   reads, is not remade. The rest goes through vLLM's layerwise reload:
+   reads, is not remade. vLLM CPU's unquantized MoE experts are prepacked by vLLM's own
+   kernel straight from their buffers into the live expert weights (padded first where
+   the kernel pads; ``vllm_internals.prepack_experts``): nothing of the layer is
+   replaced, and no second copy of the experts exists. The rest goes through vLLM's
+   layerwise reload:
    ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
    meta device); each logical buffer is copied whole into its parameter through the
    layer's deferred loader; when a layer is complete vLLM materializes it, reruns
    ``process_weights_after_loading`` (CPU GEMM packing, MoE pad + prepack) and copies
    the result into the original kernel tensors; layers written in place are put back as
-   they are; ``finalize_layerwise_reload`` finishes. CPU MoE work-around: vLLM 0.32
-   reruns the CPU experts' pad + prepack only on a first load (``quant_method.moe_kernel
-   is None``), so that attribute is reset before every commit.
+   they are; ``finalize_layerwise_reload`` finishes. CPU MoE work-around, for the
+   experts that go this way (zentorch's, or with biases): vLLM 0.32 reruns the CPU
+   experts' pad + prepack only on a first load (``quant_method.moe_kernel is None``), so
+   that attribute is reset, on the modules reloaded, before every commit.
 
 Memory per rank beyond the weights: the buffers of repacked parameters, plus with
 ``staging="shadow"`` a copy of what is written in place -- together what the rank
@@ -75,12 +80,15 @@ from reshard.errors import ReshardError
 from reshard.integrations.vllm_internals import (
     HeapBound,
     derived_buffers,
+    direct_experts,
     direct_modules,
     has_own_lm_head,
     kept_live,
     logical_params,
+    packed_expert_mismatches,
     packed_gemm_mismatches,
     params_held,
+    prepack_experts,
     process_in_place,
     quiet_reload,
     refuse_unreloadable,
@@ -243,6 +251,9 @@ class ReshardState:
         self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
                         if n not in self.live_names}
         self.direct = self._direct_modules()
+        # MoE experts prepacked in place (vLLM CPU's unquantized experts, no biases)
+        self.experts = direct_experts(self.model, self.where, list(self.buffers),
+                                      set(self.mapping.converts))
         self.expected_bytes = self.mapping.shard_bytes(self.rank)
         slots = self.mapping.slots(self.rank)
         targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
@@ -290,6 +301,8 @@ class ReshardState:
                 "staging": self.staging, "tensors": len(self.mapping.tensors),
                 "params": len(self.mapping.param_shapes),
                 "in_place": sorted(self.live_names), "buffered": sorted(self.buffers),
+                "packed_in_place": sorted(self.direct),
+                "prepacked_experts": sorted(self.experts),
                 "weight_bytes": nbytes(self.live.values()) + nbytes(self.buffers.values()),
                 "in_place_bytes": nbytes(self.live.values()),
                 "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
@@ -306,9 +319,11 @@ class ReshardState:
         * a repacked linear (GEMM) committed through layerwise reload keeps its old
           packed kernel until the reload ends, so every such buffer is held twice; one
           processed in place (:attr:`direct`) frees it before the new one is made;
-        * MoE experts lose their old prepacked copy when the commit resets the expert
-          kernel (:func:`reset_moe_kernels`), and each expert module, when reloaded,
-          holds its materialized weights and the new prepacked copy at once;
+        * MoE experts prepacked in place (:attr:`experts`) hold nothing more (a padded
+          copy of one weight where the kernel pads); those reloaded lose their old
+          prepacked copy when the commit resets the expert kernel
+          (:func:`reset_moe_kernels`), and each such module, when reloaded, holds its
+          materialized weights and the new prepacked copy at once;
         * layers are reloaded one at a time: on top of the kept kernels, the largest
           layer's materialized weights (times two for experts)."""
         kept, per_module = 0, {}
@@ -316,7 +331,7 @@ class ReshardState:
             mname, n = self.where[name][0], buf.numel() * buf.element_size()
             module = self.model.get_submodule(mname) if mname else self.model
             experts = hasattr(getattr(module, "quant_method", None), "moe_kernel")
-            if mname in self.direct:
+            if mname in self.direct or mname in self.experts:
                 continue
             kept += 0 if experts else n
             per_module[mname] = per_module.get(mname, 0) + (2 * n if experts else n)
@@ -416,7 +431,8 @@ class ReshardState:
         with set_current_vllm_config(self.vllm_config):
             self._commit_direct()
             self._commit_reload({n: b for n, b in self.buffers.items()
-                                 if self.where[n][0] not in self.direct})
+                                 if self.where[n][0] not in self.direct
+                                 and self.where[n][0] not in self.experts})
         return self._committed(t0)
 
     def _commit_direct(self) -> None:
@@ -446,6 +462,10 @@ class ReshardState:
                         take_over(holder, prepared[alias], written)
                     elif type(holder).__name__ not in unread:
                         process_in_place(holder, {})  # its weight is the one just written
+        for mname, names in self.experts.items():
+            heap.check()
+            prepack_experts(self.model.get_submodule(mname),
+                            {self.where[n][1]: self.buffers[n] for n in names})
 
     def _commit_reload(self, buffers: dict[str, torch.Tensor]) -> None:
         """Copy ``buffers`` into the live model through vLLM's layerwise reload."""
@@ -457,13 +477,18 @@ class ReshardState:
         saved = snapshot_loaders(model.parameters())
         kept = self.live_names | {n for n in self.buffers if n not in buffers}
         with quiet_reload(model, kept):
-            reset_moe_kernels(model)
+            reset_moe_kernels(model, [model.get_submodule(m) if m else model
+                                      for m in {self.where[n][0] for n in buffers}])
             lw.initialize_layerwise_reload(model)
             try:
                 for name, buf in buffers.items():
                     # a tied tensor is loaded into every module holding it, so that each
                     # reprocesses its own copy (the LM head's GEMM)
                     for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
+                        if mname in self.experts:
+                            # holds the owner's parameter object, which the owner's
+                            # reload writes: loading it here would reprocess the experts
+                            continue
                         module = model.get_submodule(mname) if mname else model
                         param = getattr(module, attr)
                         # the restored parameter is vLLM's stored metadata object: its
@@ -568,6 +593,7 @@ class ReshardState:
         mismatched += [f"{n} (derived buffer)" for d, n in self.derived
                        if n in ref and not _same(d, ref[n].view(d.shape))]
         mismatched += packed_gemm_mismatches(self.model, ref, self.aliases)
+        mismatched += packed_expert_mismatches(self.model, ref, list(self.experts))
         live = dict(self.model.named_parameters())
         # packed linears are empty on CPU (shape differs); MoE experts are reordered in
         # place whatever their shape: compare the others, which vLLM leaves as loaded
