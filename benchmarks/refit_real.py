@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 
@@ -359,7 +361,8 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
                     (p.to_local() if hasattr(p, "to_local") else p).mul_(1 + 2 ** -6)
         elif cmd == "reshard_init":
             sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=args[0],
-                                 rank=rank, trainer_size=world, inference_size=args[1])
+                                 rank=rank, trainer_size=world, inference_size=args[1],
+                                 budget_bytes=args[2])
         elif cmd == "reshard":
             stats = sender.refit(args[0])
             out.update(sent=stats.bytes_sent, transfer_seconds=stats.seconds,
@@ -481,6 +484,7 @@ class Run:
         from reshard.tools.launch import free_port
 
         self.name, self.repeats, self.work, self.watch = name, repeats, work, watch
+        self.budget = DEFAULT_REFIT_BUDGET_BYTES  # reshard's staging budget (--budget-mib)
         self.kind, self.cfg = MODELS[name]
         self.free_port = free_port
         t0 = time.perf_counter()
@@ -527,8 +531,9 @@ class Run:
     def reshard(self, before: list[dict]) -> dict[str, Any]:
         port = self.free_port()
         t0 = time.perf_counter()
-        self.trainer.send("reshard_init", port, 2)
-        infos = self.collective("reshard_init", "127.0.0.1", port, 2, timeout_s=600.0)
+        self.trainer.send("reshard_init", port, 2, self.budget)
+        infos = self.collective("reshard_init", "127.0.0.1", port, 2, timeout_s=600.0,
+                                budget_bytes=self.budget)
         self.trainer.wait("reshard_init")
         init_s = time.perf_counter() - t0
 
@@ -754,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                          "of the host)")
     ap.add_argument("--margin-gib", type=float, default=2.0,
                     help="skip a model unless its expected peak plus this fits in memory")
+    ap.add_argument("--budget-mib", type=int, default=DEFAULT_REFIT_BUDGET_BYTES >> 20,
+                    help="reshard's staging budget per rank and round (MiB)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one reshard refit on trainer rank 0 and engine rank 0")
     a = ap.parse_args(argv)
@@ -785,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             header.setdefault("skipped", {})[name] = {"need": need, "available": free}
             continue
         run = Run(name, a.repeats, a.out / name, watch)
-        run.profile = a.profile
+        run.profile, run.budget = a.profile, a.budget_mib << 20
         try:
             results.append(run.run(a.methods.split(",")))
         finally:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ALL_METHODS", "CHECKSUMS", "COLOCATED", "DEFAULT_BUDGET_BYTES", "METHODS",
-           "SIM_METHODS"]
+__all__ = ["ALL_METHODS", "CHECKSUMS", "COLOCATED", "DEFAULT_BUDGET_BYTES",
+           "DEFAULT_REFIT_BUDGET_BYTES", "METHODS", "SIM_METHODS"]
 
 #: The ways to carry out a plan: ``reshard`` (domain-aware: each byte crosses the network
 #: once per fast domain), ``p2p`` (the plan's transfers sent directly) and
@@ -24,6 +24,17 @@ SIM_METHODS = (*METHODS, "nemo_broadcast", "nemo_hybrid")
 
 #: The staging memory one rank uses per round, unless told otherwise.
 DEFAULT_BUDGET_BYTES = 256 << 20
+
+#: The same for a refit (``RefitSender``, ``RefitReceiver``, the elastic and vLLM sides):
+#: smaller, since a refit lands beside a serving engine (memory its KV cache wants) and a
+#: trainer's own state, and the messages that cannot land in place wait in an arena of
+#: up to this size on the receiving rank. Measured with ``benchmarks/refit_real.py
+#: --budget-mib`` (FSDP2 on 2 ranks into vLLM CPU TP2, 2026-12-03): the Qwen3-MoE 1.38B
+#: shape refits in 1.73 s at 64 MiB against 2.02 s at 256 MiB, each engine rank's peak
+#: extra 1.07x its shard against 1.17x, trainer rank 0's 66 MB against 263 MB (at 32 MiB:
+#: 1.56 s, 1.04x, but 36 MB, over its 33.5 MB budget by the rank's fixed 2.6 MB);
+#: Qwen2.5-1.5B 1.94-2.03 s at 32, 64 and 256 MiB alike, trainer rank 0's 45 MB at 64.
+DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
 
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
 #: ``"hmac"``: keyed, with a meeting's token).

@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ReshardError
 from reshard.integrations.vllm_internals import (
     HeapBound,
@@ -180,7 +180,7 @@ class ReshardState:
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
                  inference_size: int, host: str, port: int, trainer_size: int,
-                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 staging: str = "shadow", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
                  timeout_s: float = 120.0, unchecked_family_ok: bool = False,
                  token: str | None = None) -> None:

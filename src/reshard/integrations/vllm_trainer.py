@@ -65,7 +65,7 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
 )
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, TransferError
 
 __all__ = ["IN_FLIGHT", "ReshardTrainerEngine", "ReshardTrainerInitInfo", "register"]
@@ -88,7 +88,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     overlap: bool = True
     in_flight: str = "keep"
     staging: str = "shadow"
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES
     timeout_s: float = 120.0
     unchecked_family_ok: bool = False
     #: the meeting's shared secret (else ``$RESHARD_TOKEN`` on each side; see

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, ReshardError
 from reshard.integrations.vllm_state import ReshardState
 
@@ -83,7 +83,7 @@ class ReshardWorkerExtension:
     @_reported
     def reshard_init(self, host: str, port: int, trainer_size: int,
                      inference_size: int | None = None, staging: str = "shadow",
-                     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                     budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                      hf_tensors: Mapping[str, Sequence[int]] | None = None,
                      timeout_s: float = 120.0, unchecked_family_ok: bool = False,
                      token: str | None = None) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     master_port: int
     trainer_size: int
     staging: str = "shadow"
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES
     hf_tensors: dict[str, list[int]] | None = None
     timeout_s: float = 120.0
     #: refit a model family whose refit was never checked end to end (see

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from reshard import planner
 from reshard.comm import Comm
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import PlanError, ReshardError, TransferError
 from reshard.executor import Executor
 from reshard.gate import resolve_key
@@ -234,7 +234,7 @@ class ElasticSender(_Participant):
 
     def __init__(self, params: Mapping[str, Any], layouts: Mapping[str, Layout] | None = None,
                  *, host: str, port: int, rank: int, trainer_size: int,
-                 method: str = "reshard", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 method: str = "reshard", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  refit_timeout: timedelta | None = None,
                  rejoin_timeout: timedelta | None = None, checksum: bool | str | None = None,
@@ -365,7 +365,7 @@ class ElasticReceiver(_Participant):
 
     def __init__(self, targets: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], *,
                  host: str, port: int, replica_id: str, rank: int, tp_size: int,
-                 method: str = "reshard", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 method: str = "reshard", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError
 from reshard.gate import resolve_key
 from reshard.layout import Layout
@@ -37,7 +37,7 @@ class RefitReceiver(Side):
     def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
                  layouts: Mapping[str, Layout] | None = None, *,
                  host: str, port: int, rank: int, trainer_size: int, inference_size: int,
-                 staging: str = "shadow", budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 staging: str = "shadow", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  progress: bool | Callable[[int, int], None] = False,
                  refit_timeout: timedelta | None = None,

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from reshard.defaults import DEFAULT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.refit.rendezvous import meet
@@ -22,7 +22,7 @@ class RefitSender(Side):
                  trainer_size: int, inference_size: int,
                  layouts: Mapping[str, Layout] | None = None,
                  policy: Mapping[str, str] | None = None,
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES, backend: str = "gloo",
+                 budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES, backend: str = "gloo",
                  timeout: timedelta = timedelta(seconds=120),
                  progress: bool | Callable[[int, int], None] = False,
                  refit_timeout: timedelta | None = None,
