@@ -49,6 +49,7 @@ from test_vllm_refit import (  # noqa: E402
     MAX_MODEL_LEN,
     generate,
     serve_long_prompt,
+    start_llm,
 )
 
 from reshard.integrations import hf  # noqa: E402
@@ -133,8 +134,8 @@ def engine(model_dir: Path, tp: int, dtype: str, *, reshard: bool, kind: str) ->
     options = dict(skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                    max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
                    kv_cache_memory_bytes=KV_CACHE_BYTES)
-    return LLM(model=str(model_dir), tensor_parallel_size=tp,
-               **{**options, **FAMILY_ENGINE_ARGS.get(kind, {})}, **extra)
+    return start_llm(tp, model=str(model_dir),
+                     **{**options, **FAMILY_ENGINE_ARGS.get(kind, {})}, **extra)
 
 
 def close(llm: LLM) -> None:
