@@ -30,10 +30,10 @@ DEFAULT_BUDGET_BYTES = 256 << 20
 #: trainer's own state, and the messages that cannot land in place wait in an arena of
 #: up to this size on the receiving rank. Measured with ``benchmarks/refit_real.py
 #: --budget-mib`` (FSDP2 on 2 ranks into vLLM CPU TP2, 2026-12-03): the Qwen3-MoE 1.38B
-#: shape refits in 1.73 s at 64 MiB against 2.02 s at 256 MiB, each engine rank's peak
-#: extra 1.07x its shard against 1.17x, trainer rank 0's 66 MB against 263 MB (at 32 MiB:
-#: 1.56 s, 1.04x, but 36 MB, over its 33.5 MB budget by the rank's fixed 2.6 MB);
-#: Qwen2.5-1.5B 1.94-2.03 s at 32, 64 and 256 MiB alike, trainer rank 0's 45 MB at 64.
+#: shape's engine rank peak extra 1.07x its shard against 1.17x at 256 MiB, trainer rank
+#: 0's 66 MB against 263 MB, in 1.73-2.07 s against 2.02 s; dense models as fast within
+#: the host's run-to-run spread (Qwen2.5-1.5B 1.94-2.03 s at 32, 64 and 256 MiB). At 32
+#: MiB trainer rank 0 went 2.6 MB (its fixed extra) over its budget: hence 64.
 DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
 
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
