@@ -477,8 +477,12 @@ class ReshardState:
         saved = snapshot_loaders(model.parameters())
         kept = self.live_names | {n for n in self.buffers if n not in buffers}
         with quiet_reload(model, kept):
+            # the modules this reload loads: each buffer's and its tied holders' (a
+            # holder prepacked in place is left out below)
+            loaded = {m for n in buffers for m, _ in [self.where[n][:2],
+                                                      *self.aliases.get(n, [])]}
             reset_moe_kernels(model, [model.get_submodule(m) if m else model
-                                      for m in {self.where[n][0] for n in buffers}])
+                                      for m in loaded - set(self.experts)])
             lw.initialize_layerwise_reload(model)
             try:
                 for name, buf in buffers.items():
