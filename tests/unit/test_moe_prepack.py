@@ -67,8 +67,10 @@ def test_prepacked_in_place_equals_vllms_processing(as_cpu_experts, dtype, inter
         "w2_weight (prepacked experts)"]
 
 
-def test_a_shape_that_is_no_padding_is_refused(as_cpu_experts):
+def test_a_shape_that_is_no_padding_is_refused_before_anything_is_written(as_cpu_experts):
     live = vllm_processed(torch.zeros(2, 64, 32), torch.zeros(2, 32, 32), 32)
-    with pytest.raises(MappingError, match=r"w13_weight: vLLM holds \(2, 64, 32\)"):
-        vllm_internals.prepack_experts(live, {"w13_weight": torch.zeros(2, 96, 32),
-                                              "w2_weight": torch.zeros(2, 32, 48)})
+    before = [live.w13_weight.clone(), live.w2_weight.clone()]
+    with pytest.raises(MappingError, match=r"w2_weight: vLLM holds \(2, 32, 32\)"):
+        vllm_internals.prepack_experts(live, {"w13_weight": torch.ones(2, 64, 32),
+                                              "w2_weight": torch.ones(2, 32, 48)})
+    assert torch.equal(live.w13_weight, before[0]) and torch.equal(live.w2_weight, before[1])

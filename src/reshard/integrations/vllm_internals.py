@@ -390,15 +390,18 @@ def prepack_experts(module: torch.nn.Module, logical: Mapping[str, torch.Tensor]
     experts = cpu_experts(module)
     if experts is None:
         raise MappingError(f"{type(module).__name__}: not vLLM CPU's unquantized MoE")
-    for attr, tensor in logical.items():  # the others, kept as loaded
-        if attr not in _EXPERT_WEIGHTS:
-            module._parameters[attr].data.copy_(tensor)
+    sources = {}  # every check before anything is written: the layer is never torn
     for attr in _EXPERT_WEIGHTS:
         live = module._parameters[attr]
         source = _padded_experts(attr, logical[attr], live.shape).contiguous()
         if source.dtype != live.dtype or not live.is_contiguous():
             raise MappingError(f"{type(module).__name__}.{attr}: live {live.dtype} "
                                f"{tuple(live.shape)}, new {source.dtype}")
+        sources[attr] = source, live
+    for attr, tensor in logical.items():  # the others, kept as loaded
+        if attr not in _EXPERT_WEIGHTS:
+            module._parameters[attr].data.copy_(tensor)
+    for source, live in sources.values():
         torch.ops._C.prepack_moe_weight(source, live.data, experts.isa)
 
 
