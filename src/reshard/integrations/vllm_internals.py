@@ -327,7 +327,8 @@ def cpu_experts(module: torch.nn.Module) -> Any | None:
 
 def direct_experts(model: torch.nn.Module, where: Mapping[str, tuple[str, str, tuple[int, ...],
                                                                      torch.dtype]],
-                   names: Sequence[str], excluded: set[str] = frozenset()
+                   names: Sequence[str], excluded: set[str] = frozenset(),
+                   aliases: Mapping[str, Sequence[tuple[str, str]]] | None = None
                    ) -> dict[str, list[str]]:
     """Module name -> its vLLM parameters among ``names``, for the MoE expert modules a
     commit prepacks in place (:func:`prepack_experts`) rather than through layerwise
@@ -335,21 +336,17 @@ def direct_experts(model: torch.nn.Module, where: Mapping[str, tuple[str, str, t
     all among ``names``, none in ``excluded``: ``w13_weight`` and ``w2_weight``, and
     maybe others that vLLM keeps as loaded, but no expert biases (the kernel pads
     those); a parameter it shares with a module listed first (DeepSeek's router
-    ``e_score_correction_bias``, which the gate owns) is committed with that module."""
+    ``e_score_correction_bias``, which the gate owns: its other holders are in
+    ``aliases``, see :func:`tied_aliases`) is committed with that module."""
     by_module: dict[str, list[str]] = {}
     for name in names:
         by_module.setdefault(where[name][0], []).append(name)
-    owner = {}  # parameter -> the module it is listed under (a tied one: its first)
-    for mn, attr, _, _ in where.values():
-        p = (model.get_submodule(mn) if mn else model)._parameters.get(attr)
-        owner[id(p)] = mn
+    held_elsewhere = {h for holders in (aliases or {}).values() for h in holders}
     out = {}
     for mname, ns in by_module.items():
         module = model.get_submodule(mname) if mname else model
         attrs = {where[n][1]: n for n in ns}
-        # a parameter listed under another module is committed with that one
-        held = {a for a in params_held(module)
-                if owner.get(id(module._parameters[a]), mname) == mname}
+        held = {a for a in params_held(module) if (mname, a) not in held_elsewhere}
         kept_whole = all(tuple(getattr(module, a).shape) == where[n][2]
                          for a, n in attrs.items() if a not in _EXPERT_WEIGHTS)
         if (cpu_experts(module) is not None and set(attrs) == held >= set(_EXPERT_WEIGHTS)

@@ -253,7 +253,7 @@ class ReshardState:
         self.direct = self._direct_modules()
         # MoE experts prepacked in place (vLLM CPU's unquantized experts, no biases)
         self.experts = direct_experts(self.model, self.where, list(self.buffers),
-                                      set(self.mapping.converts))
+                                      set(self.mapping.converts), self.aliases)
         self.expected_bytes = self.mapping.shard_bytes(self.rank)
         slots = self.mapping.slots(self.rank)
         targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
