@@ -10,7 +10,7 @@ requests in flight during every refit. One server and one scenario, shared by th
 4. a new trainer job (re-admitted: a new meeting) sends step 2 **stop-the-world**.
 
 After refits 1 and 4, new requests (a 300-token shared prefix the server cached before,
-no prompt logprobs) answer bit for bit -- greedy tokens and logprobs -- as a fresh server
+no prompt logprobs) answer bit for bit -- greedy tokens and logprobs -- as a fresh engine
 of the same kind started from that step's checkpoint.
 """
 
@@ -31,7 +31,11 @@ pytest.importorskip("vllm")
 from reshard.comm import free_port  # noqa: E402
 from reshard.gate import new_token  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
-from reshard.tools.rl_task import SYSTEM_PROMPT  # noqa: E402
+from reshard.tools.rl_task import (  # noqa: E402
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    SYSTEM_PROMPT,  # noqa: E402
+)
 from reshard.tools.serve import Server  # noqa: E402
 
 JOB = Path(__file__).with_name("_serve_trainer_job.py")
@@ -132,27 +136,42 @@ def scenario(tmp_path_factory):
     out.mkdir()
     rec: dict = {}
     server = Server(model, port=free_port(), log=tmp / "server.log")
-    # fresh servers of the same kind from each step's checkpoint, started as soon as the
-    # trainer saved it (their start-up overlaps the scenario), asked at the end
-    fresh = {k: Server(out / f"step{k}", port=free_port(), log=tmp / f"fresh{k}.log")
-             for k in (1, 2)}
-    try:
-        _scenario(server, fresh, model, out, rec)
-        for k, f in fresh.items():
-            rec[f"fresh{k}"] = _answers((f if f.proc else f.start()).wait_ready())
-    finally:
-        for f in fresh.values():
-            f.stop()
+    _scenario(server, model, out, rec)
+    # the fresh engines, once the server is down (2 cores): one per step's checkpoint
+    for k in (1, 2):
+        rec[f"fresh{k}"] = _fresh_answers(out / f"step{k}")
     return rec
 
 
-def _start_when_saved(fresh: dict, out: Path) -> None:
-    for k, f in fresh.items():
-        if f.proc is None and (out / f"step{k}").exists():
-            f.start()
+def _fresh_answers(model: Path) -> list[dict]:
+    """:func:`_answers` of a fresh engine of the server's kind loaded from ``model``: the
+    server's arguments (TP2, bf16, its context, KV cache, seed, scheduler limits and
+    compilation: ``serve_argv``'s, with ``vllm serve``'s CPU defaults of 2048 batched
+    tokens and 128 sequences per rank), its engine core in this process (``start_llm``:
+    about 10 s to start, against 50-70 s for another ``vllm serve`` beside the scenario).
+    Each prompt is asked on its own and in turn, as the server is asked them."""
+    from test_vllm_refit import start_llm  # the vLLM tests' engine starter
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = start_llm(2, model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+                    kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0, skip_tokenizer_init=True,
+                    max_num_batched_tokens=2048 * 2, max_num_seqs=128 * 2)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, logprobs=0,
+                            ignore_eos=True)
+        answers = []
+        for prompt in CHECK:
+            c = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp,
+                             use_tqdm=False)[0].outputs[0]
+            answers.append({"tokens": list(c.token_ids),
+                            "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids,
+                                                                         c.logprobs)]})
+        return answers
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
-def _scenario(server: Server, fresh: dict, model: Path, out: Path, rec: dict) -> None:
+def _scenario(server: Server, model: Path, out: Path, rec: dict) -> None:
     with server:
         rec["before"] = _answers(server)  # the prefix is cached with the old weights
         job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2",
@@ -160,7 +179,6 @@ def _scenario(server: Server, fresh: dict, model: Path, out: Path, rec: dict) ->
         procs = _trainers(job, out, "job1-")
         rec[1] = _refit_with_traffic(server, out, 1, procs)
         rec["info"] = server.rpc("reshard_info")
-        _start_when_saved(fresh, out)
         rec["malformed"] = {
             "finish_first": _refused(server, "finish_weight_update"),
             "update_first": _refused(server, "update_weights", {"update_info": {}}),
@@ -188,7 +206,6 @@ def _scenario(server: Server, fresh: dict, model: Path, out: Path, rec: dict) ->
         for p in procs:
             p.wait(120)
         rec["lost_codes"] = [p.returncode for p in procs]
-        _start_when_saved(fresh, out)
         rec["after_lost"] = _answers(server)
         rec["version_after_lost"] = server.weight_version()
         rec["ranks_after_lost"] = server.rpc("reshard_last")
