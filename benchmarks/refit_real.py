@@ -558,7 +558,13 @@ class Run:
                    "receive": max(e["receive_seconds"] for e in d["engine"]),
                    "commit": max(e["commit_seconds"] for e in d["engine"]),
                    "engine_total": max(e["seconds"] for e in d["engine"])} for d in details],
-               "staging_bytes": [e["staging_bytes"] for e in details[-1]["engine"]]}
+               "staging_bytes": [e["staging_bytes"] for e in details[-1]["engine"]],
+               # the last refit's resident memory beyond the engine's at init, per rank:
+               # at the start, its peak while receiving, its peak in all, at the end
+               "engine_memory_phases": [
+                   {k: e.get(k) for k in ("rss_extra_start", "peak_rss_extra_receive",
+                                          "peak_rss_extra", "rss_extra")}
+                   for e in details[-1]["engine"]]}
         out.update(self.mem_peaks())
         out["check"] = self.check(before)
         out["floor"] = self.floor()

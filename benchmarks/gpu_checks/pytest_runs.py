@@ -27,6 +27,7 @@ TESTS_RUN = (  # the longest first, so that the pool ends early
     "tests/unit/test_topology.py", "tests/unit/test_refit_recovery.py",
     "tests/unit/test_schedule_agreement.py", "tests/unit/test_ordered_matching.py",
     "tests/unit/test_layout.py", "tests/unit/test_views.py", "tests/unit/test_devices.py",
+    "tests/unit/test_staging_cap.py",
     "tests/multiproc/test_colocated.py", "tests/unit/test_colocated_specs.py",
     "tests/unit/test_fp8_blocks.py",
 )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = ["ALL_METHODS", "CHECKSUMS", "COLOCATED", "DEFAULT_BUDGET_BYTES",
-           "DEFAULT_REFIT_BUDGET_BYTES", "METHODS", "SIM_METHODS"]
+           "DEFAULT_REFIT_BUDGET_BYTES", "DEFAULT_REFIT_STAGING_BYTES", "METHODS",
+           "SIM_METHODS"]
 
 #: The ways to carry out a plan: ``reshard`` (domain-aware: each byte crosses the network
 #: once per fast domain), ``p2p`` (the plan's transfers sent directly) and
@@ -35,6 +36,16 @@ DEFAULT_BUDGET_BYTES = 256 << 20
 #: the host's run-to-run spread (Qwen2.5-1.5B 1.94-2.03 s at 32, 64 and 256 MiB). At 32
 #: MiB trainer rank 0 went 2.6 MB (its fixed extra) over its budget: hence 64.
 DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
+
+#: What a refit's round may stage on a receiving rank (its arena), within the budget:
+#: the regions that cannot land in place (several small tensors packed into one
+#: message; a region strided in the receiver's tensor, such as an engine rank's gate or
+#: up rows of a run of fused experts) are cut into more rounds instead, and a cut part
+#: that lies contiguous there arrives in place. Measured with ``benchmarks/refit_real.py
+#: --models qwen3-moe-0.8b`` (2026-12-03, back to back): the engine ranks' arena 6 MB
+#: against 38 MB, their peak extra 1.02x the shard against 1.06x, trainer rank 0's 42 MB
+#: against 67 MB, the refit 1.34 s against 1.24 s (16 MiB: 13 MB, 1.02-1.03x, 1.44 s).
+DEFAULT_REFIT_STAGING_BYTES = 8 << 20
 
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
 #: ``"hmac"``: keyed, with a meeting's token).

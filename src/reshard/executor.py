@@ -31,14 +31,19 @@ class Executor:
 
     def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None,
-                 checksum: bool | str = False, digest_key: bytes | None = None) -> None:
+                 checksum: bool | str = False, digest_key: bytes | None = None,
+                 staging_bytes: int | None = None) -> None:
         """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
         fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
         see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
         directly), ``gather_broadcast`` (the conventional path) or ``colocated`` (every
         rank on one machine: each reads its regions straight out of the source ranks'
         tensors through shared memory; the group carries only control messages).
-        ``budget_bytes`` caps the staging memory a rank uses per round. ``checksum``
+        ``budget_bytes`` caps the bytes a rank moves per round, and so its staging
+        memory; ``staging_bytes``, smaller, caps only what a round stages on a receiver
+        (the messages that cannot land in place: packed, or strided there), cutting those
+        regions into more rounds (the refit's :data:`DEFAULT_REFIT_STAGING_BYTES`).
+        ``checksum``
         (``True`` = ``"sum"``, ``"crc32"``, or ``"hmac"`` keyed with ``digest_key``, which
         nobody without the key can forge) sends a digest of every message after it and
         raises :class:`reshard.TransferError` on a receiving rank whose data arrived
@@ -47,7 +52,10 @@ class Executor:
             raise ConfigError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
         if budget_bytes < 1024:
             raise ConfigError(f"budget_bytes must be at least 1024, got {budget_bytes}")
+        if staging_bytes is not None and staging_bytes < 1024:
+            raise ConfigError(f"staging_bytes must be at least 1024, got {staging_bytes}")
         self.plan, self.method, self.budget_bytes = plan, method, budget_bytes
+        self.staging_bytes = staging_bytes
         self.comm = comm if comm is not None else Comm.from_group()
         self.rank = self.comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
@@ -90,6 +98,8 @@ class Executor:
         if self._key is not None:
             return self._key
         key = [("method", self.method), ("budget_bytes", str(self.budget_bytes))]
+        if self.staging_bytes is not None:
+            key.append(("staging_bytes", str(self.staging_bytes)))
         if self.method == "reshard":
             src, dst = self.plan.ranks()
             domains = ",".join(str(self.topology.domain(r)) for r in sorted(src | dst))
@@ -104,8 +114,9 @@ class Executor:
             from reshard.topology import Topology, domain_schedule
 
             self.topology = topology if topology is not None else Topology.detect(self.comm)
-            return domain_schedule(self.plan, self.topology, self.budget_bytes)
-        return flat_schedule(self.plan, self.budget_bytes)
+            return domain_schedule(self.plan, self.topology, self.budget_bytes,
+                                   self.staging_bytes)
+        return flat_schedule(self.plan, self.budget_bytes, self.staging_bytes)
 
     # -- what a caller may watch or bound per run (the point-to-point methods) ---------
     @property

@@ -80,26 +80,35 @@ class RoundPacker:
     that a round keeps room to forward what the previous round brought in: that is what
     makes the network stage and the forwarding stage overlap."""
 
-    def __init__(self, budget_bytes: int, network_cap: int | None = None) -> None:
+    def __init__(self, budget_bytes: int, network_cap: int | None = None,
+                 staging_cap: int | None = None) -> None:
         self.budget = budget_bytes
         self.network_cap = network_cap or budget_bytes
+        self.staging_cap = staging_cap or budget_bytes
         self.rounds: list[list[Hop]] = []
         self.used: list[dict[int, int]] = []
         self.net_used: list[dict[int, int]] = []
+        self.staged: list[dict[int, int]] = []  # bytes a receiver stages, per round
         self.pairs: list[dict[tuple[int, int], bool]] = []
         self.first_free: dict[int, int] = {}
 
-    def add(self, hop: Hop, *, network: bool = False, solo: bool = False) -> int:
+    def add(self, hop: Hop, *, network: bool = False, solo: bool = False,
+            staged: bool = False) -> int:
         """Place one hop (no larger than the budget); return its round. A ``solo`` hop is
         the only one between its two ranks in its round, so its message is the region
-        itself and can travel without packing when it is contiguous in memory."""
-        k = self._fit(hop, network, solo)
+        itself and can travel without packing when it is contiguous in memory. A
+        ``staged`` hop lands in its receiver's staging arena (it is packed with others,
+        or not contiguous there): a round stages at most the staging cap per receiver."""
+        k = self._fit(hop, network, solo, staged)
         while len(self.rounds) <= k:
             self.rounds.append([])
             self.used.append({})
             self.net_used.append({})
+            self.staged.append({})
             self.pairs.append({})
         self.rounds[k].append(hop)
+        if staged and not hop.is_local:
+            self.staged[k][hop.dst_rank] = self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
         if not hop.is_local:
             self.pairs[k][hop.src_rank, hop.dst_rank] = solo
         if not hop.is_local:
@@ -125,7 +134,7 @@ class RoundPacker:
         pair = self.pairs[k].get((hop.src_rank, hop.dst_rank))
         return pair is None if solo else pair is not True
 
-    def _fit(self, hop: Hop, network: bool, solo: bool) -> int:
+    def _fit(self, hop: Hop, network: bool, solo: bool, staged: bool = False) -> int:
         k = hop.after + 1
         if hop.is_local:
             return k
@@ -133,7 +142,9 @@ class RoundPacker:
         k = max(k, *(self.first_free.get(r, 0) for r in ends))
         while k < len(self.used) and not (
                 self._pair_free(k, hop, solo)
-                and all(self._fits(k, r, hop.nbytes, network) for r in ends)):
+                and all(self._fits(k, r, hop.nbytes, network) for r in ends)
+                and (not staged or self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
+                     <= self.staging_cap)):
             k += 1
         return k
 
@@ -141,9 +152,12 @@ class RoundPacker:
         return tuple(tuple(r) for r in self.rounds)
 
 
-SOLO_MIN_BYTES = 1 << 20
+SOLO_MIN_BYTES = 256 << 10
 """Regions at least this large that are contiguous in memory on one side travel alone in
-their round (no packing copy on that side); smaller ones are packed together."""
+their round (no packing copy on that side); smaller ones are packed together. 256 KiB
+(was 1 MiB): an engine rank's k or v projection at Qwen2.5-1.5B shapes (2 kv heads,
+one a rank: 384 KiB in bf16) then lands in place instead of in the receive arena
+(22 MB of them at 28 layers), at the cost of a few more, smaller rounds."""
 
 
 def contiguous_box(offset: tuple[int, ...], size: tuple[int, ...],
@@ -151,6 +165,15 @@ def contiguous_box(offset: tuple[int, ...], size: tuple[int, ...],
     """Whether a box of a row-major tensor of ``shape`` is one contiguous memory range."""
     first = next((i for i, n in enumerate(size) if n != 1), len(size))
     return all(size[i] == shape[i] for i in range(first + 1, len(size)))
+
+
+def contiguous_run(hop: Hop, shape: tuple[int, ...]) -> int:
+    """Bytes of the largest parts :func:`split_hop` can cut ``hop`` into that each lie
+    contiguous in a row-major tensor of ``shape`` (its box one row of its outer dims)."""
+    inner = len(shape)
+    while inner > 0 and hop.size[inner - 1] == shape[inner - 1]:
+        inner -= 1
+    return hop.nbytes // prod(hop.size[:max(inner - 1, 0)] or (1,))
 
 
 def is_solo(hop: Hop, plan: Plan) -> bool:
@@ -163,14 +186,45 @@ def is_solo(hop: Hop, plan: Plan) -> bool:
             or contiguous_box(hop.dst_offset, hop.size, t.dst.local_shape(hop.dst_rank)))
 
 
-def pack_rounds(hops: Iterable[Hop], budget_bytes: int,
-                plan: Plan | None = None) -> tuple[tuple[Hop, ...], ...]:
-    """Rounds for hops that depend on nothing (the flat schedule)."""
-    packer = RoundPacker(budget_bytes)
+def lands_in_place(hop: Hop, plan: Plan, solo: bool) -> bool:
+    """Whether a hop's message is its region alone, contiguous in the receiver's tensor:
+    it arrives with no staging copy there."""
+    return solo and contiguous_box(hop.dst_offset, hop.size,
+                                   plan[hop.name].dst.local_shape(hop.dst_rank))
+
+
+def pack_rounds(hops: Iterable[Hop], budget_bytes: int, plan: Plan | None = None,
+                staging_bytes: int | None = None) -> tuple[tuple[Hop, ...], ...]:
+    """Rounds for hops that depend on nothing (the flat schedule). ``staging_bytes``
+    (with a plan): at most this many bytes a round lands in a receiver's staging arena.
+    A hop that would be staged there (strided in the receiver's tensor, or packed with
+    others) is cut (:func:`split_hop`) into parts that each lie contiguous there where
+    those are large enough to travel alone (:data:`SOLO_MIN_BYTES`: they land in place,
+    staged nowhere), else into parts of at most the cap."""
+    packer = RoundPacker(budget_bytes, staging_cap=staging_bytes)
     for hop in hops:
         for part in split_hop(hop, max(1, budget_bytes // 2)):
-            packer.add(part, solo=plan is not None and is_solo(part, plan))
+            if plan is None:
+                packer.add(part)
+            else:
+                add_capped(packer, part, plan, staging_bytes)
     return packer.result()
+
+
+def add_capped(packer: RoundPacker, hop: Hop, plan: Plan, staging_bytes: int | None) -> None:
+    """Place a hop of no dependency, cut where it would be staged on its receiver
+    (:func:`pack_rounds`)."""
+    pieces = [hop]
+    if staging_bytes and not lands_in_place(hop, plan, is_solo(hop, plan)):
+        run = contiguous_run(hop, plan[hop.name].dst.local_shape(hop.dst_rank))
+        if SOLO_MIN_BYTES <= run < hop.nbytes:  # parts that land in place, alone
+            pieces = split_hop(hop, min(run, staging_bytes))
+        elif hop.nbytes > staging_bytes:
+            pieces = split_hop(hop, staging_bytes)
+    for piece in pieces:
+        solo = is_solo(piece, plan)
+        packer.add(piece, solo=solo,
+                   staged=bool(staging_bytes) and not lands_in_place(piece, plan, solo))
 
 
 def _plan_hops(plan: Plan) -> Iterator[Hop]:
@@ -178,6 +232,8 @@ def _plan_hops(plan: Plan) -> Iterator[Hop]:
         yield Hop(t.name, t.src_rank, t.dst_rank, t.src_offset, t.dst_offset, t.size, t.nbytes)
 
 
-def flat_schedule(plan: Plan, budget_bytes: int) -> Schedule:
-    """Every transfer straight from its chosen sender to its destination (``p2p``)."""
-    return Schedule(pack_rounds(_plan_hops(plan), budget_bytes, plan), "p2p", budget_bytes)
+def flat_schedule(plan: Plan, budget_bytes: int, staging_bytes: int | None = None) -> Schedule:
+    """Every transfer straight from its chosen sender to its destination (``p2p``);
+    ``staging_bytes``: see :func:`pack_rounds`."""
+    return Schedule(pack_rounds(_plan_hops(plan), budget_bytes, plan, staging_bytes), "p2p",
+                    budget_bytes)

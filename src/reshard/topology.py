@@ -22,7 +22,7 @@ from typing import Any
 
 from reshard.errors import LayoutError
 from reshard.planner import Plan
-from reshard.schedule import DEST, Hop, RoundPacker, Schedule, is_solo, split_hop
+from reshard.schedule import DEST, Hop, RoundPacker, Schedule, add_capped, is_solo, split_hop
 
 __all__ = ["Topology", "domain_schedule", "link_bytes", "inter_domain_lower_bound"]
 
@@ -142,14 +142,18 @@ class _Loads:
         return best
 
 
-def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedule:
+def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int,
+                    staging_bytes: int | None = None) -> Schedule:
     """The ``reshard`` schedule: network once per destination domain, then forward.
-    With every rank in one domain there is no network to save: the flat schedule."""
+    With every rank in one domain there is no network to save: the flat schedule.
+    ``staging_bytes`` caps what a round stages on a receiver for the hops that are not
+    network chunks or their forwards (those are cut to a sixth of the budget anyway;
+    :func:`reshard.schedule.pack_rounds`)."""
     src, dst = plan.ranks()
     if len({topology.domain(r) for r in src | dst}) <= 1:
         from reshard.schedule import flat_schedule
 
-        return replace(flat_schedule(plan, budget_bytes), method="reshard")
+        return replace(flat_schedule(plan, budget_bytes, staging_bytes), method="reshard")
     loads = _Loads()
     items = []
     for ti, t in enumerate(plan.tensors):
@@ -159,7 +163,8 @@ def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int) -> Schedu
     hops: list[tuple[Hop, list[Hop]]] = []
     for _, ti, ui in items:
         hops.extend(_unit_hops(plan.tensors[ti], ui, topology, loads))
-    return Schedule(_pack_with_forwards(hops, budget_bytes, plan), "reshard", budget_bytes)
+    return Schedule(_pack_with_forwards(hops, budget_bytes, plan, staging_bytes), "reshard",
+                    budget_bytes)
 
 
 def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, list[Hop]]]:
@@ -192,17 +197,17 @@ def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, lis
     return out
 
 
-def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]], budget: int,
-                        plan: Plan) -> tuple[tuple[Hop, ...], ...]:
+def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]], budget: int, plan: Plan,
+                        staging_bytes: int | None = None) -> tuple[tuple[Hop, ...], ...]:
     """Place each network hop (split into chunks), then its forwards after its last
     chunk. A round gives the network at most a third of the budget, leaving the rest to
     forward the previous round's chunks: the two stages overlap round by round."""
-    packer = RoundPacker(budget, network_cap=max(1, budget // 3))
+    packer = RoundPacker(budget, network_cap=max(1, budget // 3), staging_cap=staging_bytes)
     chunk = max(1, budget // 6)
     for hop, forwards in items:
         if not forwards:  # a local copy, a fast-link hop, or a lone network receiver
             for part in split_hop(hop, max(1, budget // 2)):
-                packer.add(part, solo=is_solo(part, plan))
+                add_capped(packer, part, plan, staging_bytes)
             continue
         last = max(packer.add(part, network=True, solo=is_solo(part, plan))
                    for part in split_hop(hop, chunk))

@@ -1,6 +1,7 @@
 """HeapBound, the commit's bound on freed heap memory kept resident, isolated from the
 process's real memory: it hands the freed heap back only once the growth since the
-commit began exceeds its slack, and measures growth from where the commit began."""
+commit began exceeds its slack, measured from where the commit began, and at once
+between a large module's old copy and its new one (``make_room``)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_growth_is_measured_from_where_the_commit_began(memory):
     memory["rss"] += 33 << 20
     heap.check()
     assert heap.trims == 1
+
+
+def test_a_large_copy_freed_is_handed_back_before_its_successor_is_made(memory):
+    """The module's own copy: freed, handed back, then the new one faults in: the commit
+    never holds both, where without make_room it held both until the next check."""
+    start = memory["rss"]
+    peaks = {}
+    for room in (False, True):
+        memory.update(rss=start, freed=0)
+        heap = vllm_internals.HeapBound(slack=8 << 20)
+        peak = start
+        for _ in range(6):  # a 27 MB packed copy: freed (pages kept), then made again
+            memory["freed"] += 27 << 20
+            if room:
+                heap.make_room(27 << 20)
+            memory["rss"] += 27 << 20
+            peak = max(peak, memory["rss"])
+            heap.check()
+        peaks[room] = peak - start
+    assert peaks[False] >= 27 << 20
+    assert peaks[True] == 0
+    heap = vllm_internals.HeapBound(slack=8 << 20)
+    heap.make_room(4 << 20)  # a small copy: left to check()
+    assert heap.trims == 0

@@ -270,14 +270,17 @@ def params_held(module: torch.nn.Module) -> set[str]:
     return {k for k, p in module._parameters.items() if p is not None}
 
 
-def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor]) -> None:
+def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor],
+                     heap: HeapBound | None = None) -> None:
     """Give ``module`` new weights and rerun its processing after loading, as layerwise
     reload does but without moving the layer to meta and back: a parameter vLLM keeps
     whole (an embedding, a bias) is overwritten in place; one it packed away (left empty)
     is lent the logical tensor, which the processing packs (a oneDNN or small-GEMM copy
     of its own) and drops; then the module's own parameters are put back, as layerwise
     reload's ``_copy_and_restore_kernel_tensors`` does. The old packed copy is freed
-    before the new one is made, so a commit holds no second copy of anything."""
+    before the new one is made, so a commit holds no second copy of anything; with a
+    ``heap``, its pages are handed back in between where it is large
+    (:meth:`HeapBound.make_room`)."""
     kernel = {k: p for k, p in module._parameters.items() if p is not None}
     for attr, tensor in logical.items():
         live = kernel[attr]
@@ -287,7 +290,8 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
     # the old packed copy goes first (its closure holds it): a commit then holds no
     # second copy of any module (the engine does not run between the two)
-    module.__dict__.pop("cpu_linear", None)
+    if module.__dict__.pop("cpu_linear", None) is not None and heap is not None:
+        heap.make_room(sum(t.numel() * t.element_size() for t in logical.values()))
     module.quant_method.process_weights_after_loading(module)
     for attr, live in kernel.items():
         now = module._parameters.get(attr)
@@ -550,15 +554,30 @@ class HeapBound:
     and keep the old one's pages resident. Traced per module on vLLM CPU (Qwen2.5-1.5B
     shapes, 12 layers, TP2), an engine rank grew by 42-110 MB per commit that way, one
     module's copy at a time, until the closing trim. A trim costs a few milliseconds,
-    so it runs only when the slack is spent."""
+    so it runs only when the slack is spent, and (:meth:`make_room`) between the free of
+    a module's old copy and the making of its new one where that copy is larger than
+    the slack: the new copy then cannot land beside the old one's resident pages, so a
+    commit's peak stays within the slack of where it began (8 MiB: 2 trims a layer at
+    Qwen2.5-1.5B shapes, gate_up and down; ``benchmarks/refit_real.py`` gives the peak
+    per phase)."""
 
-    def __init__(self, slack: int = 32 << 20) -> None:
+    def __init__(self, slack: int = 8 << 20) -> None:
         self.slack, self.base, self.trims = slack, rss_bytes(), 0
 
     def check(self) -> None:
+        """After a module: trim if the process grew by more than the slack."""
         if rss_bytes() - self.base > self.slack:
-            return_freed_memory()
-            self.trims += 1
+            self._trim()
+
+    def make_room(self, nbytes: int) -> None:
+        """A packed copy of about ``nbytes`` was just freed and its successor is next:
+        trim first if it is larger than the slack."""
+        if nbytes > self.slack:
+            self._trim()
+
+    def _trim(self) -> None:
+        return_freed_memory()
+        self.trims += 1
 
 
 def reset_peak_rss() -> bool:

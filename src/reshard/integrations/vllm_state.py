@@ -454,7 +454,7 @@ class ReshardState:
                 for attr, tensor in logical.items():  # read as loaded: in place is all
                     getattr(module, attr).data.copy_(tensor)
             else:
-                process_in_place(module, logical)
+                process_in_place(module, logical, heap)
             for name in names:
                 for alias, _ in self.aliases.get(name, []):
                     holder = self.model.get_submodule(alias)

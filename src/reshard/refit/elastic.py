@@ -91,7 +91,7 @@ class _EpochSide(Side):
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         progress = self._options[2]  # the budget is the one every rank agreed on
         ex = Executor(meeting.plan, self.comm, method=self.method,
-                      budget_bytes=self.budget_bytes,
+                      budget_bytes=self.budget_bytes, staging_bytes=self.staging_bytes,
                       checksum=self._checksum_kind(meeting) or False,
                       digest_key=meeting.digest_key)
         if progress:

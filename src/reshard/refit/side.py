@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from reshard import planner
-from reshard.defaults import ALL_METHODS, COLOCATED
+from reshard.defaults import ALL_METHODS, COLOCATED, DEFAULT_REFIT_STAGING_BYTES
 from reshard.errors import ConfigError, ReshardError, TensorMismatchError, TransferError
 from reshard.executor import Executor, checksum_kind, local_problem
 from reshard.layout import Layout
@@ -148,6 +148,9 @@ class Side:
                                f"({[dict(p) for p in sorted(policies)]}); nothing was moved")
         self.policy = dict(policies.pop()) if policies else {}
         self.budget_bytes = min(v.budget_bytes for v in views)
+        # what a round may stage on a receiver: derived from the agreed budget, so alike
+        # on every rank (a newer side that stages otherwise shows in the schedule check)
+        self.staging_bytes = min(self.budget_bytes, DEFAULT_REFIT_STAGING_BYTES)
         self.executors = self._build_executors(meeting)
         self._amax_comm = _amax_group(meeting)
         self._reconciled(max(v.version for v in views))
@@ -170,6 +173,7 @@ class Side:
         executors = []
         for method, sub in _split_by_policy(meeting.plan, self.policy).items():
             ex = Executor(sub, self.comm, method=method, budget_bytes=self.budget_bytes,
+                          staging_bytes=self.staging_bytes,
                           checksum=False if method in ("gather_broadcast", COLOCATED)
                           else kind or False, digest_key=meeting.digest_key)
             if progress:
