@@ -40,11 +40,13 @@ DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
 #: What a refit's round may stage on a receiving rank (its arena), within the budget:
 #: the regions that cannot land in place (several small tensors packed into one
 #: message; a region strided in the receiver's tensor, such as an engine rank's gate or
-#: up rows of a run of fused experts) are cut into more rounds instead, and a cut part
-#: that lies contiguous there arrives in place. Measured with ``benchmarks/refit_real.py
-#: --models qwen3-moe-0.8b`` (2026-12-03, back to back): the engine ranks' arena 6 MB
-#: against 38 MB, their peak extra 1.02x the shard against 1.06x, trainer rank 0's 42 MB
-#: against 67 MB, the refit 1.34 s against 1.24 s (16 MiB: 13 MB, 1.02-1.03x, 1.44 s).
+#: up rows of a run of fused experts) are cut into parts that lie contiguous there and
+#: arrive in place, alone in their message (:data:`reshard.schedule.SOLO_MIN_BYTES` and
+#: up), the rest into more rounds. Measured with ``benchmarks/refit_real.py --models
+#: qwen3-moe-0.8b`` (2026-12-03): the engine ranks' arena 64 KB against 38 MB without
+#: the cap, their peak extra 1.00-1.01x the shard against 1.06x, trainer rank 0's 40 MB
+#: against 67 MB, the refit 1.15 s against 1.24 s (the cap alone, no in-place parts:
+#: 6 MB, 1.02x, 1.34 s; at the four real sizes: docs/results.md).
 DEFAULT_REFIT_STAGING_BYTES = 8 << 20
 
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
