@@ -107,11 +107,10 @@ class RoundPacker:
             self.staged.append({})
             self.pairs.append({})
         self.rounds[k].append(hop)
-        if staged and not hop.is_local:
-            self.staged[k][hop.dst_rank] = self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
         if not hop.is_local:
             self.pairs[k][hop.src_rank, hop.dst_rank] = solo
-        if not hop.is_local:
+            if staged:
+                self.staged[k][hop.dst_rank] = self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
             for r in (hop.src_rank, hop.dst_rank):
                 self.used[k][r] = self.used[k].get(r, 0) + hop.nbytes
                 if network:
@@ -143,10 +142,12 @@ class RoundPacker:
         while k < len(self.used) and not (
                 self._pair_free(k, hop, solo)
                 and all(self._fits(k, r, hop.nbytes, network) for r in ends)
-                and (not staged or self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
-                     <= self.staging_cap)):
+                and (not staged or self._stage_fits(k, hop))):
             k += 1
         return k
+
+    def _stage_fits(self, k: int, hop: Hop) -> bool:
+        return self.staged[k].get(hop.dst_rank, 0) + hop.nbytes <= self.staging_cap
 
     def result(self) -> tuple[tuple[Hop, ...], ...]:
         return tuple(tuple(r) for r in self.rounds)
@@ -213,18 +214,22 @@ def pack_rounds(hops: Iterable[Hop], budget_bytes: int, plan: Plan | None = None
 
 def add_capped(packer: RoundPacker, hop: Hop, plan: Plan, staging_bytes: int | None) -> None:
     """Place a hop of no dependency, cut where it would be staged on its receiver
-    (:func:`pack_rounds`)."""
-    pieces = [hop]
-    if staging_bytes and not lands_in_place(hop, plan, is_solo(hop, plan)):
-        run = contiguous_run(hop, plan[hop.name].dst.local_shape(hop.dst_rank))
-        if SOLO_MIN_BYTES <= run < hop.nbytes:  # parts that land in place, alone
-            pieces = split_hop(hop, min(run, staging_bytes))
-        elif hop.nbytes > staging_bytes:
-            pieces = split_hop(hop, staging_bytes)
+    (:func:`pack_rounds`); a local copy stages nothing and goes whole."""
+    solo = is_solo(hop, plan)
+    if not staging_bytes or hop.is_local or lands_in_place(hop, plan, solo):
+        packer.add(hop, solo=solo)
+        return
+    run = contiguous_run(hop, plan[hop.name].dst.local_shape(hop.dst_rank))
+    if SOLO_MIN_BYTES <= run < hop.nbytes:  # parts that land in place, alone
+        pieces = split_hop(hop, min(run, staging_bytes))
+    elif hop.nbytes > staging_bytes:
+        pieces = split_hop(hop, staging_bytes)
+    else:
+        packer.add(hop, solo=solo, staged=True)
+        return
     for piece in pieces:
         solo = is_solo(piece, plan)
-        packer.add(piece, solo=solo,
-                   staged=bool(staging_bytes) and not lands_in_place(piece, plan, solo))
+        packer.add(piece, solo=solo, staged=not lands_in_place(piece, plan, solo))
 
 
 def _plan_hops(plan: Plan) -> Iterator[Hop]:
