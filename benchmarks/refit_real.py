@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -182,25 +182,67 @@ def load_avg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def tree_rss(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants, in bytes."""
+def _descendants(pid: int) -> dict[int, list[str]]:
+    """``pid`` and all its descendants: pid -> the fields of ``/proc/PID/stat`` after the
+    command (state first), with the command's name appended."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
+    stat: dict[int, list[str]] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            head, tail = (d / "stat").read_text().rsplit(")", 1)
+            fields = tail.split() + [head.split("(", 1)[1]]
             children.setdefault(int(fields[1]), []).append(int(d.name))
-            rss[int(d.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            stat[int(d.name)] = fields
         except (OSError, IndexError, ValueError):
             continue
-    total, todo = 0, [pid]
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
+        if p in stat:
+            out[p] = stat[p]
         todo += children.get(p, [])
-    return total
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants, in bytes."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return sum(int(f[21]) * page for f in _descendants(pid).values())
+
+
+#: Who a process of the run is, from its name (vLLM names its own; the rest are the
+#: trainer ranks, which this driver starts).
+def _role(pid: int, name: str) -> str:
+    if pid == os.getpid():
+        return "driver"
+    if name.startswith("VLLM::EngineCor"):
+        return "engine core"
+    if name.startswith("VLLM::Worker"):
+        return "engine workers"
+    return "trainer ranks"
+
+
+def tree_cpu(pid: int) -> dict[int, tuple[str, float, int]]:
+    """CPU seconds (user + system) and minor page faults so far of ``pid`` and each
+    descendant, with its role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return {p: (_role(p, f[-1]), (int(f[11]) + int(f[12])) / tick, int(f[7]))
+            for p, f in _descendants(pid).items()}
+
+
+def cpu_spent(before: dict[int, tuple[str, float, int]],
+              after: dict[int, tuple[str, float, int]]) -> dict[str, float]:
+    """CPU seconds spent between two :func:`tree_cpu` samples, per role, and the page
+    faults taken (``faults <role>``: each first touch of a page the process had not
+    held, which this host pays dearly for)."""
+    out: dict[str, float] = {}
+    for p, (role, t, faults) in after.items():
+        _, t0, f0 = before.get(p, (role, 0.0, 0))
+        out[role] = out.get(role, 0.0) + t - t0
+        out[f"faults {role}"] = out.get(f"faults {role}", 0) + faults - f0
+    return out
 
 
 class MemoryWatch:
@@ -485,6 +527,8 @@ class Run:
 
         self.name, self.repeats, self.work, self.watch = name, repeats, work, watch
         self.budget = DEFAULT_REFIT_BUDGET_BYTES  # reshard's staging budget (--budget-mib)
+        # the freed heap a commit keeps resident (--heap-slack-mib; None: all of it)
+        self.heap_slack: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
         self.kind, self.cfg = MODELS[name]
         self.free_port = free_port
         t0 = time.perf_counter()
@@ -498,6 +542,7 @@ class Run:
         print(f"[{name}] vLLM engine (TP2, bf16) up in {time.perf_counter() - t0:.1f} s",
               flush=True)
         self.version, self.profile = 0, False
+        self.cpu: list[dict[str, float]] = []  # per timed refit: CPU seconds per role
         self.result: dict[str, Any] = {"model": name, "params": self.params, "methods": {}}
 
     def collective(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -520,12 +565,19 @@ class Run:
         for i in range(1 + self.repeats):
             self.version += 1
             self.trainer.call("perturb")
-            t0 = time.perf_counter()
+            cpu0, t0 = tree_cpu(os.getpid()), time.perf_counter()
             detail = refit(self.version)
             if i:
                 seconds.append(time.perf_counter() - t0)
+                self.cpu.append(cpu_spent(cpu0, tree_cpu(os.getpid())))
                 details.append(detail)
         return seconds, details
+
+    def cpu_medians(self) -> dict[str, float]:
+        """The median CPU seconds per role over the refits timed since the last call."""
+        spent, self.cpu = self.cpu, []
+        roles = sorted({r for c in spent for r in c})
+        return {r: median([c.get(r, 0.0) for c in spent]) for r in roles}
 
     # -- methods -------------------------------------------------------------------------
     def reshard(self, before: list[dict]) -> dict[str, Any]:
@@ -533,7 +585,7 @@ class Run:
         t0 = time.perf_counter()
         self.trainer.send("reshard_init", port, 2, self.budget)
         infos = self.collective("reshard_init", "127.0.0.1", port, 2, timeout_s=600.0,
-                                budget_bytes=self.budget)
+                                budget_bytes=self.budget, heap_slack_bytes=self.heap_slack)
         self.trainer.wait("reshard_init")
         init_s = time.perf_counter() - t0
 
@@ -548,7 +600,8 @@ class Run:
             self.trainer.send("reshard_profile", self.version)
             print(self.collective("bench_profile_refit")[0])
             print(self.trainer.wait("reshard_profile")[0]["profile"], flush=True)
-        out = {"seconds": seconds, "init_seconds": init_s,
+        out = {"seconds": seconds, "init_seconds": init_s, "cpu_seconds": self.cpu_medians(),
+               "budget_bytes": self.budget, "heap_slack_bytes": self.heap_slack,
                "bytes_received": [r["bytes_received"] for r in details[-1]["engine"]],
                "expected_bytes": [i["expected_bytes"] for i in infos],
                "buffer_bytes": [i["buffer_bytes"] for i in infos],
@@ -573,15 +626,18 @@ class Run:
         return out
 
     def floor(self) -> dict[str, Any]:
-        seconds = []
+        seconds, cpu = [], []
         for _ in range(1 + self.repeats):
-            t0 = time.perf_counter()
+            cpu0, t0 = tree_cpu(os.getpid()), time.perf_counter()
             self.trainer.send("floor")
             inner = self.collective("bench_floor")
             self.trainer.wait("floor")
             seconds.append(time.perf_counter() - t0)
+            cpu.append(cpu_spent(cpu0, tree_cpu(os.getpid())))
         self.collective("bench_floor_close")
-        return {"seconds": seconds[1:], "inner_seconds": max(r["seconds"] for r in inner)}
+        self.cpu = cpu[1:]
+        return {"seconds": seconds[1:], "inner_seconds": max(r["seconds"] for r in inner),
+                "cpu_seconds": self.cpu_medians()}
 
     def gather_broadcast(self, before: list[dict]) -> dict[str, Any]:
         port = self.free_port()
@@ -656,6 +712,7 @@ class Run:
             self.mem_start()
             out = getattr(self, method)(before)
             out["median"] = median(out["seconds"])
+            out.setdefault("cpu_seconds", self.cpu_medians())
             out["load"] = load_avg()
             out["tree_peak_rss"] = self.watch.take()
             if method == "gather_broadcast":
@@ -715,6 +772,34 @@ def breakdown(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+#: The roles of :func:`_role`, in the CPU table's order.
+ROLES = ("trainer ranks", "engine workers", "engine core", "driver")
+
+
+def cpu_table(results: list[dict]) -> str:
+    """CPU seconds per refit (medians), by process role, and the cores they kept busy
+    (CPU seconds over wall seconds): what a method costs the host beyond its time."""
+    rows = ["| model | method | refit (median) | " + " | ".join(ROLES)
+            + " | CPU in all | cores busy | page faults: engine workers | trainer ranks |",
+            "|---|---|---|" + "---|" * (len(ROLES) + 4)]
+    for r in results:
+        ms = dict(r["methods"])
+        if "reshard" in ms:
+            ms["floor"] = dict(ms["reshard"]["floor"], median=median(
+                ms["reshard"]["floor"]["seconds"]))
+        for name, m in ms.items():
+            cpu = m.get("cpu_seconds")
+            if not cpu:
+                continue
+            total = sum(cpu.get(k, 0.0) for k in ROLES)
+            rows.append(f"| {r['model']} | {name} | {m['median']:.3f} s | "
+                        + " | ".join(f"{cpu.get(k, 0.0):.2f} s" for k in ROLES)
+                        + f" | {total:.2f} s | {total / m['median']:.2f} "
+                        + f"| {cpu.get('faults engine workers', 0) / 1e3:,.0f}k "
+                        + f"| {cpu.get('faults trainer ranks', 0) / 1e3:,.0f}k |")
+    return "\n".join(rows)
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.0f} MB"
 
@@ -767,12 +852,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip a model unless its expected peak plus this fits in memory")
     ap.add_argument("--budget-mib", type=int, default=DEFAULT_REFIT_BUDGET_BYTES >> 20,
                     help="reshard's staging budget per rank and round (MiB)")
+    ap.add_argument("--heap-slack-mib", type=int,
+                    default=DEFAULT_COMMIT_HEAP_SLACK_BYTES >> 20,
+                    help="the freed heap reshard's commit keeps resident before handing it "
+                         "back (MiB; -1: keep it all, for a faster commit)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one reshard refit on trainer rank 0 and engine rank 0")
     a = ap.parse_args(argv)
     if a.plot:
         results = json.loads(a.plot.read_text())["results"]
-        print(table(results), "\n", breakdown(results), sep="\n")
+        print(table(results), "\n", breakdown(results), "\n", cpu_table(results), sep="\n")
         if a.png:
             plot(results, a.png)
         return 0
@@ -799,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run = Run(name, a.repeats, a.out / name, watch)
         run.profile, run.budget = a.profile, a.budget_mib << 20
+        run.heap_slack = None if a.heap_slack_mib < 0 else a.heap_slack_mib << 20
         try:
             results.append(run.run(a.methods.split(",")))
         finally:
@@ -809,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     header["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True
                                           ).stdout.strip()
     (a.out / "results.json").write_text(json.dumps({**header, "results": results}, indent=1))
-    print(table(results), "\n", breakdown(results), sep="\n")
+    print(table(results), "\n", breakdown(results), "\n", cpu_table(results), sep="\n")
     print(f"load: start {header['uptime_start']}; end {header['uptime_end']}")
     if a.png:
         plot(results, a.png)

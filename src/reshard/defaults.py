@@ -49,6 +49,21 @@ DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
 #: 6 MB, 1.02x, 1.34 s; at the four real sizes: docs/results.md).
 DEFAULT_REFIT_STAGING_BYTES = 8 << 20
 
+#: The freed heap a refit's commit on vLLM CPU may keep resident before it hands it back
+#: to the system (``malloc_trim``; :class:`reshard.integrations.vllm_internals.HeapBound`),
+#: and with it about the most a commit's peak rises above the buffers. Pages handed back
+#: are faulted in again by the next packed copies, which a host pays for: on this 2-core
+#: VM 512 MB of first touches cost about 0.2 s against 0.03 s to rewrite them. ``None``
+#: (``heap_slack_bytes=None`` at ``reshard_init``) keeps every freed page for the next
+#: copies to reuse, at the cost of the heap's fragmentation held resident. Measured with
+#: ``benchmarks/refit_real.py --heap-slack-mib`` (2026-12-03, FSDP2 on 2 ranks into vLLM
+#: CPU TP2, two alternating pairs at Qwen2.5-1.5B): 8 MiB: 730k page faults a refit on
+#: the engine ranks, 2.39-3.33 s of their CPU, peak extra 1.008x the shard; never
+#: trimmed: 121-131k (mostly the LM head's packed copy, which glibc maps afresh),
+#: 1.97-2.56 s, 1.11-1.21x. The refit's time moved within the host's spread (1.86 /
+#: 2.61 s against 2.01 / 2.27 s): the memory target keeps the default.
+DEFAULT_COMMIT_HEAP_SLACK_BYTES = 8 << 20
+
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
 #: ``"hmac"``: keyed, with a meeting's token).
 CHECKSUMS = ("sum", "crc32", "hmac")

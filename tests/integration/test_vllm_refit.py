@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,10 +235,11 @@ def _job_env(token: str | None) -> dict[str, str]:
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                fail_at: int = -1, path: str = "extension", staging: str = "shadow",
                dtype: str = "float32", method: str = "reshard",
-               token: str | None = None) -> tuple[list, list]:
+               token: str | None = None, **init_options) -> tuple[list, list]:
     """Trainer job vs the engine; per step: refit outcome, generation, checks input.
     ``token``: the trainer job has it in ``$RESHARD_TOKEN``, the engine gets it in its
-    init (neither the engine nor its workers have it in their environment)."""
+    init (neither the engine nor its workers have it in their environment).
+    ``init_options``: more of the engine's init (``heap_slack_bytes``)."""
     llm, model_dir = engines.get(kind, dtype)
     ref_model = hf.load_model(model_dir, torch.float32).eval()
     shapes = hf.param_shapes(ref_model)
@@ -250,10 +252,10 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                                stdout=so, stderr=se, env=_job_env(token))
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
-                    "hf_tensors": shapes, "staging": staging, "token": token}
+                    "hf_tensors": shapes, "staging": staging, "token": token, **init_options}
             if path == "extension":  # as the README says: the names come from the trainer
                 infos = collective(llm, "reshard_init", "127.0.0.1", port, 2, staging=staging,
-                                   token=token)
+                                   token=token, **init_options)
             else:
                 llm.init_weight_transfer_engine({"init_info": init})
                 infos = collective(llm, "reshard_info")
@@ -382,6 +384,8 @@ def test_fsdp2_trainer_refits_vllm_tp2(engines, tmp_path):
     # the weights moved: every step generates something new
     assert len({json.dumps(r["tokens"]) for r in records}) == len(records)
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
+    # the default heap slack: the freed heap is handed back, at least once a commit
+    assert all(r["commit_trims"] >= 1 for rec in records for r in rec["res"])
     # uneven vocabulary: rank 1 holds 12 padding rows of embed_tokens and lm_head
     assert records[0]["expected_bytes"][0] - records[0]["expected_bytes"][1] == 2 * 12 * 64 * 4
 
@@ -454,10 +458,13 @@ def test_tied_embeddings_refit_and_match_a_fresh_engine(engines, tmp_path):
     """A model with tied word embeddings (vLLM's LM head shares ``embed_tokens``): the
     tensor is sent once, nothing is left unset, the LM head's own GEMM follows each
     refit, and the engine answers bit for bit as a fresh engine of that step. With a
-    token (the worker extension's ``reshard_init(token=...)``): keyed digests."""
+    token (the worker extension's ``reshard_init(token=...)``): keyed digests. With
+    ``heap_slack_bytes=None``: the commits keep every freed page (no trims)."""
     records, trainer = run_refits(engines, tmp_path, "qwen3_tied", "fsdp", steps=2,
-                                  token=TOKEN)
+                                  token=TOKEN, heap_slack_bytes=None)
     assert all(i["checksum"] == ["hmac"] for i in records[0]["info"]), records[0]["info"]
+    assert all(i["heap_slack_bytes"] is None for i in records[0]["info"])
+    assert all(r["commit_trims"] == 0 for rec in records for r in rec["res"])
     cfg = hf.load_model(engines.dirs["qwen3_tied"], torch.float32).config
     assert cfg.tie_word_embeddings
     for step, rec in enumerate(records, 1):
@@ -579,3 +586,23 @@ def test_in_flight_request_at_a_commit_goes_on_with_new_kv(engines, tmp_path):
         greedy(n - k), use_tqdm=False)[0].outputs[0]
     assert tokens[k:] == list(fresh.token_ids)  # the new weights, from recomputed KV
     assert logprobs[k:] == [d[t].logprob for t, d in zip(fresh.token_ids, fresh.logprobs)]
+
+
+def test_engine_core_waits_for_a_long_worker_call_asleep(engines):
+    """Through a long worker call (a refit) the engine core waits for the replies asleep:
+    vLLM 0.32's reply reader would spin (``sched_yield``) through the call's first second,
+    a busy process beside the workers and trainer ranks a refit needs. Here the engine
+    core runs in this thread (``start_llm``), so its CPU time is this thread's: about 1 s
+    for a 1.5 s call with vLLM's spin, next to none with reshard's plugin."""
+    llm = engines.llm if engines.llm is not None else engines.get("qwen3")[0]
+
+    def idle(worker, seconds: float) -> int:  # pickled by value to the workers
+        import time as t
+
+        t.sleep(seconds)
+        return 0
+
+    start = time.thread_time()
+    assert llm.collective_rpc(idle, args=(1.5,)) == [0] * TP
+    spent = time.thread_time() - start
+    assert spent < 0.5, f"the engine core spent {spent:.2f} s of CPU waiting 1.5 s"

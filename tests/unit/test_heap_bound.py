@@ -83,3 +83,41 @@ def test_a_large_copy_freed_is_handed_back_before_its_successor_is_made(memory):
     heap = vllm_internals.HeapBound(slack=8 << 20)
     heap.make_room(4 << 20)  # a small copy: left to check()
     assert heap.trims == 0
+
+
+def test_no_slack_keeps_every_freed_page(memory):
+    """``slack=None`` (``heap_slack_bytes=None``): never a trim, whatever the growth or
+    the size of a copy, so the next copies reuse the freed pages instead of faulting."""
+    heap = vllm_internals.HeapBound(slack=None)
+    for _ in range(10):
+        memory["freed"] += 64 << 20
+        heap.make_room(64 << 20)
+        memory["rss"] += 64 << 20
+        heap.check()
+    assert heap.trims == memory["trims"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8MiB", True])
+def test_a_bad_heap_slack_is_refused_by_name(bad):
+    from reshard.errors import ConfigError
+    from reshard.integrations.vllm_state import check_heap_slack
+
+    with pytest.raises(ConfigError, match="heap_slack_bytes"):
+        check_heap_slack(bad)
+    assert check_heap_slack(None) is None and check_heap_slack(0) == 0
+
+
+def test_the_weight_transfer_protocol_refuses_a_bad_heap_slack_at_the_engine_core():
+    """Through vLLM's weight-transfer protocol the init info is parsed where the engine
+    core checks each call (the plugin), before any worker sees it."""
+    pytest.importorskip("vllm")
+    from reshard.errors import ConfigError
+    from reshard.integrations.vllm_worker import ReshardInitInfo, parse_fields
+
+    fields = {"master_address": "127.0.0.1", "master_port": 1, "trainer_size": 2}
+    with pytest.raises(ConfigError, match=r"^init_weight_transfer_engine: heap_slack_bytes"
+                                          r"=-1: .*\(nothing was changed\)$"):
+        parse_fields(ReshardInitInfo, {**fields, "heap_slack_bytes": -1},
+                     "init_weight_transfer_engine")
+    assert parse_fields(ReshardInitInfo, {**fields, "heap_slack_bytes": None},
+                        "init_weight_transfer_engine").heap_slack_bytes is None

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES
 from reshard.integrations.vllm_mapping import MappingError
 
 __all__ = [
     "HeapBound", "cpu_experts", "derived_buffers", "direct_experts", "direct_modules",
     "has_own_lm_head", "kept_live", "logical_params", "packed_expert_mismatches",
     "packed_gemm_mismatches", "params_held", "prepack_experts", "process_in_place",
-    "quiet_reload", "refuse_unreloadable", "reset_moe_kernels", "reset_peak_rss",
+    "quiet_reload", "refuse_unreloadable", "replies_asleep", "reset_moe_kernels", "reset_peak_rss",
     "restore_loaders", "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in",
     "take_over", "tied_aliases",
 ]
@@ -559,20 +560,23 @@ class HeapBound:
     the slack: the new copy then cannot land beside the old one's resident pages, so a
     commit's peak stays within the slack of where it began (8 MiB: 2 trims a layer at
     Qwen2.5-1.5B shapes, gate_up and down; ``benchmarks/refit_real.py`` gives the peak
-    per phase)."""
+    per phase). Pages handed back are faulted in again by later copies, which costs time
+    (:data:`reshard.defaults.DEFAULT_COMMIT_HEAP_SLACK_BYTES`); ``slack=None`` never
+    trims, trading the heap's fragmentation held resident for a faster commit."""
 
-    def __init__(self, slack: int = 8 << 20) -> None:
+    def __init__(self, slack: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES) -> None:
         self.slack, self.base, self.trims = slack, rss_bytes(), 0
 
     def check(self) -> None:
-        """After a module: trim if the process grew by more than the slack."""
-        if rss_bytes() - self.base > self.slack:
+        """After a module: trim if the process grew by more than the slack (never with
+        ``slack=None``: every freed page stays for the next copies to reuse)."""
+        if self.slack is not None and rss_bytes() - self.base > self.slack:
             self._trim()
 
     def make_room(self, nbytes: int) -> None:
         """A packed copy of about ``nbytes`` was just freed and its successor is next:
         trim first if it is larger than the slack."""
-        if nbytes > self.slack:
+        if self.slack is not None and nbytes > self.slack:
             self._trim()
 
     def _trim(self) -> None:
@@ -588,3 +592,27 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def replies_asleep(executor: Any) -> Any:
+    """While a long worker call runs, the engine core waits for its replies asleep.
+
+    vLLM 0.32's multiprocess executor reads each worker's reply from a shared-memory
+    queue whose reader spins (``sched_yield``) for a second after its last read before it
+    sleeps on the writer's notification (``SpinCondition.busy_loop_s``). Through a refit
+    that spinning is a busy process beside the workers and the trainer ranks: on a host
+    with fewer cores than processes it takes CPU from the refit itself. The writer
+    notifies after every write, so a reader that never spins still wakes for each reply.
+    Executors without such queues (Ray, uniprocess) are left as they are."""
+    conditions = [c for mq in getattr(executor, "response_mqs", None) or ()
+                  if (c := getattr(mq, "_spin_condition", None)) is not None
+                  and getattr(c, "is_reader", False) and hasattr(c, "busy_loop_s")]
+    saved = [c.busy_loop_s for c in conditions]
+    for c in conditions:
+        c.busy_loop_s = 0.0
+    try:
+        yield len(conditions)
+    finally:
+        for c, s in zip(conditions, saved, strict=True):
+            c.busy_loop_s = s

@@ -25,6 +25,12 @@ engine core, before it schedules anything else:
 * sets the engine's ``weight_version`` (attached to every output) to the committed
   trainer step, for ``reshard_refit`` (``finish_weight_update`` takes it from the caller).
 
+While any such call runs, the engine core waits for the workers' replies asleep instead
+of spinning (:func:`reshard.integrations.vllm_internals.replies_asleep`): vLLM's reader
+spins for its first second, a busy process beside the workers and the trainer ranks a
+refit needs (measured with a 3 s worker call on an idle host: 0.99 s of the engine
+core's CPU without, none with it).
+
 Cost: the next requests recompute their prefixes once (a cold cache); nothing else.
 The worker extension refuses to meet a trainer in an engine where this plugin is not
 loaded (``VLLM_PLUGINS`` set without ``reshard``): see
@@ -191,6 +197,13 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
+        from reshard.integrations.vllm_internals import replies_asleep
+
+        with replies_asleep(getattr(self, "model_executor", None)):
+            return _call(self, method, timeout, args, kwargs)
+
+    def _call(self: Any, method: Any, timeout: float | None, args: tuple,
+              kwargs: dict[str, Any] | None) -> Any:
         if method in PROTOCOL:
             guard = _guard(self)
             guard.check(method, kwargs or {})

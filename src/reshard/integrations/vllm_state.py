@@ -75,8 +75,8 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
-from reshard.errors import ReshardError
+from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
+from reshard.errors import ConfigError, ReshardError
 from reshard.integrations.vllm_internals import (
     HeapBound,
     derived_buffers,
@@ -111,7 +111,7 @@ from reshard.integrations.vllm_mapping import (
     unmapped_sides,
 )
 
-__all__ = ["ReshardState", "map_or_explain", "require_plugin"]
+__all__ = ["ReshardState", "check_heap_slack", "map_or_explain", "require_plugin"]
 
 PLUGIN_MODULE = "reshard.integrations.vllm_plugin"
 
@@ -174,6 +174,16 @@ def _converting_loader(how: str) -> Any:
     return copy_converted
 
 
+def check_heap_slack(value: Any) -> int | None:
+    """``heap_slack_bytes`` as given, or a ``ConfigError`` naming it: bytes (an int of 0
+    or more), or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+        raise ConfigError(f"heap_slack_bytes={value!r}: bytes (an int of 0 or more), or "
+                          "None to keep every freed page resident")
+    return value
+
+
 class ReshardState:
     """One vLLM rank's side of the refit: mapping, where each parameter is written,
     logical buffers for the repacked ones, receiver, commit."""
@@ -183,13 +193,15 @@ class ReshardState:
                  staging: str = "shadow", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
                  timeout_s: float = 120.0, unchecked_family_ok: bool = False,
-                 token: str | None = None) -> None:
+                 token: str | None = None,
+                 heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES) -> None:
         from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size != 1:
             raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
                                f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
+        self.heap_slack_bytes = check_heap_slack(heap_slack_bytes)
         self.model, self.vllm_config, self.rank = model, vllm_config, rank
         self.inference_size, self.timeout_s = inference_size, timeout_s
         self.where = logical_params(model)
@@ -302,6 +314,7 @@ class ReshardState:
                 "params": len(self.mapping.param_shapes),
                 "in_place": sorted(self.live_names), "buffered": sorted(self.buffers),
                 "packed_in_place": sorted(self.direct),
+                "heap_slack_bytes": self.heap_slack_bytes,
                 "prepacked_experts": sorted(self.experts),
                 "weight_bytes": nbytes(self.live.values()) + nbytes(self.buffers.values()),
                 "in_place_bytes": nbytes(self.live.values()),
@@ -443,7 +456,7 @@ class ReshardState:
         unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
         prepared, self.prepared = self.prepared, {}
         written: set[int] = set()  # storages a hand-over wrote (a tied weight: once)
-        heap = HeapBound()
+        heap = self._heap = HeapBound(self.heap_slack_bytes)
         for mname, names in self.direct.items():
             heap.check()
             module = self.model.get_submodule(mname) if mname else self.model
@@ -510,10 +523,16 @@ class ReshardState:
                     buffer.copy_(buffers[name].view(buffer.shape))
 
     def _committed(self, t0: float) -> float:
-        return_freed_memory()
+        trims = getattr(self, "_heap", None)
+        trims = trims.trims if trims is not None else 0
+        if self.heap_slack_bytes is not None:  # else kept for the next commit's copies
+            return_freed_memory()
+            trims += 1
+        self._heap = None
         seconds = time.perf_counter() - t0
         self._version, self.stale = self.receiver.version, False
         self.last.update(committed=True, commit_seconds=seconds, stale=False,
+                         commit_trims=trims,
                          swap_forward=self.forwards,
                          peak_rss_extra=self._peak_extra(),
                          rss_extra=rss_bytes() - self.rss_at_init)

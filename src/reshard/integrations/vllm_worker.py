@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, ReshardError
-from reshard.integrations.vllm_state import ReshardState
+from reshard.integrations.vllm_state import ReshardState, check_heap_slack
 
 __all__ = [
     "BACKEND", "ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
@@ -86,7 +86,9 @@ class ReshardWorkerExtension:
                      budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                      hf_tensors: Mapping[str, Sequence[int]] | None = None,
                      timeout_s: float = 120.0, unchecked_family_ok: bool = False,
-                     token: str | None = None) -> dict[str, Any]:
+                     token: str | None = None,
+                     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+                     ) -> dict[str, Any]:
         """Meet the trainer at ``host:port`` (collective with its RefitSender ranks):
         learn its tensor names and shapes there, build the mapping, the logical buffers
         and the receiver; returns sizes. ``hf_tensors`` (HF name -> global shape) is
@@ -94,14 +96,18 @@ class ReshardWorkerExtension:
         ``MappingError`` on every rank of both jobs, nothing moved; so is a model family
         whose refit was never checked end to end (``vllm_mapping.CHECKED_FAMILIES``)
         unless ``unchecked_family_ok`` (or ``RESHARD_UNCHECKED_FAMILIES=1``). ``token``
-        (else the workers' ``$RESHARD_TOKEN``): the trainer's token (docs/security.md)."""
+        (else the workers' ``$RESHARD_TOKEN``): the trainer's token (docs/security.md).
+        ``heap_slack_bytes``: the freed heap a commit keeps before handing it back to the
+        system; ``None`` keeps it all, for a faster commit at more resident memory
+        (:data:`reshard.defaults.DEFAULT_COMMIT_HEAP_SLACK_BYTES`)."""
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
         self._reshard = ReshardState(
             self.model_runner.get_model(), self.vllm_config, rank=self.rank,
             inference_size=size, host=host, port=port, trainer_size=trainer_size,
             staging=staging, budget_bytes=budget_bytes, hf_tensors=hf_tensors,
-            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok, token=token)
+            timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok, token=token,
+            heap_slack_bytes=heap_slack_bytes)
         return self._reshard.info()
 
     @_reported
@@ -199,6 +205,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
     unchecked_family_ok: bool = False
     #: the meeting's token (else the workers' ``$RESHARD_TOKEN``); never in the repr
     token: str | None = field(default=None, repr=False)
+    #: the freed heap a commit keeps resident before handing it back (None: all of it)
+    heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+
+    def __post_init__(self) -> None:  # refused by the engine core, before any worker
+        check_heap_slack(self.heap_slack_bytes)
 
 
 @dataclass
@@ -230,7 +241,7 @@ def parse_fields(cls: type, info: Any, method: str) -> Any:
                          f"it knows {known} (nothing was changed)")
     try:
         return cls(**info)
-    except TypeError as e:  # a required field missing
+    except (TypeError, ConfigError) as e:  # a required field missing, a bad value
         raise ConfigError(f"{method}: {e} (nothing was changed)") from None
 
 
@@ -284,7 +295,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 trainer_size=init_info.trainer_size, staging=init_info.staging,
                 budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
                 timeout_s=init_info.timeout_s,
-                unchecked_family_ok=init_info.unchecked_family_ok, token=init_info.token)
+                unchecked_family_ok=init_info.unchecked_family_ok, token=init_info.token,
+                heap_slack_bytes=init_info.heap_slack_bytes)
             self.outcome.update(self.state.info())
         except Exception as e:
             self._failed("init_weight_transfer_engine", e)
