@@ -237,3 +237,10 @@ def test_trainer_init_info_refuses_what_cannot_work():
     with pytest.raises(ReshardError, match="in_flight='wait' pauses the engine"):
         ReshardTrainerEngine(client=no_pause, is_sender=True, init_info=info)._can_pause(info)
     assert "token" not in repr(ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, token="s" * 20))
+    with pytest.raises(ReshardError, match="heap_slack_bytes=-1"):
+        ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, heap_slack_bytes=-1).check()
+    # the engine's default travels as nothing (a server of the same version assumes it)
+    assert "heap_slack_bytes" not in ReshardTrainerInitInfo("h", 1, 2, 2,
+                                                            rank=0).worker_init_info()
+    assert ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, heap_slack_bytes=None
+                                  ).worker_init_info()["heap_slack_bytes"] is None

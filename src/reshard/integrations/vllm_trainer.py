@@ -65,8 +65,9 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
 )
 
-from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, TransferError
+from reshard.integrations.vllm_state import check_heap_slack
 
 __all__ = ["IN_FLIGHT", "ReshardTrainerEngine", "ReshardTrainerInitInfo", "register"]
 
@@ -94,6 +95,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     #: the meeting's shared secret (else ``$RESHARD_TOKEN`` on each side; see
     #: docs/security.md); sent to the engine with ``init_weight_transfer_engine``
     token: str | None = field(default=None, repr=False)
+    #: the freed heap the engine's commit keeps before handing it back (None: all of
+    #: it, a faster commit at more resident memory; docs/vllm.md, engine-side memory)
+    heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
 
     def worker_init_info(self) -> dict[str, Any]:
         """What the engine's ranks are given (``init_weight_transfer_engine``; over HTTP
@@ -103,6 +107,8 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
                 "trainer_size": self.trainer_size, "staging": self.staging,
                 "budget_bytes": self.budget_bytes, "timeout_s": self.timeout_s,
                 "unchecked_family_ok": self.unchecked_family_ok}
+        if self.heap_slack_bytes != DEFAULT_COMMIT_HEAP_SLACK_BYTES:  # else the engine's
+            info["heap_slack_bytes"] = self.heap_slack_bytes
         return info if self.token is None else {**info, "token": self.token}
 
     def check(self) -> None:
@@ -116,6 +122,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
                 "(its cost: a copy of what each engine rank receives) or overlap=False")
         if not 0 <= self.rank < self.trainer_size:
             raise ConfigError(f"rank must be in [0, {self.trainer_size}), got {self.rank}")
+        check_heap_slack(self.heap_slack_bytes)
 
 
 def _params_of(source: Any, trainer_size: int) -> tuple[Mapping[str, Any], dict[str, Any]]:
