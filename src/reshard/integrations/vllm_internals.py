@@ -25,9 +25,9 @@ __all__ = [
     "HeapBound", "cpu_experts", "derived_buffers", "direct_experts", "direct_modules",
     "has_own_lm_head", "kept_live", "logical_params", "packed_expert_mismatches",
     "packed_gemm_mismatches", "params_held", "prepack_experts", "process_in_place",
-    "quiet_reload", "refuse_unreloadable", "replies_asleep", "reset_moe_kernels", "reset_peak_rss",
-    "restore_loaders", "return_freed_memory", "rss_bytes", "snapshot_loaders", "stand_in",
-    "take_over", "tied_aliases",
+    "quiet_reload", "refuse_unreloadable", "replies_asleep", "reset_moe_kernels",
+    "reset_peak_rss", "restore_loaders", "return_freed_memory", "rss_bytes",
+    "snapshot_loaders", "stand_in", "take_over", "tied_aliases",
 ]
 
 
@@ -596,7 +596,7 @@ def reset_peak_rss() -> bool:
 
 @contextlib.contextmanager
 def replies_asleep(executor: Any) -> Any:
-    """While a long worker call runs, the engine core waits for its replies asleep.
+    """While a worker call runs, the engine core waits for its replies asleep.
 
     vLLM 0.32's multiprocess executor reads each worker's reply from a shared-memory
     queue whose reader spins (``sched_yield``) for a second after its last read before it

@@ -202,6 +202,7 @@ class ReshardState:
             raise ReshardError("the reshard vLLM integration covers tensor parallelism only "
                                f"(pipeline_parallel_size={pc.pipeline_parallel_size})")
         self.heap_slack_bytes = check_heap_slack(heap_slack_bytes)
+        self._heap: HeapBound | None = None  # the commit's, while it runs
         self.model, self.vllm_config, self.rank = model, vllm_config, rank
         self.inference_size, self.timeout_s = inference_size, timeout_s
         self.where = logical_params(model)
@@ -523,12 +524,11 @@ class ReshardState:
                     buffer.copy_(buffers[name].view(buffer.shape))
 
     def _committed(self, t0: float) -> float:
-        trims = getattr(self, "_heap", None)
-        trims = trims.trims if trims is not None else 0
+        heap, self._heap = self._heap, None
+        trims = heap.trims if heap is not None else 0
         if self.heap_slack_bytes is not None:  # else kept for the next commit's copies
             return_freed_memory()
             trims += 1
-        self._heap = None
         seconds = time.perf_counter() - t0
         self._version, self.stale = self.receiver.version, False
         self.last.update(committed=True, commit_seconds=seconds, stale=False,
