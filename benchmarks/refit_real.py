@@ -245,6 +245,12 @@ def cpu_spent(before: dict[int, tuple[str, float, int]],
     return out
 
 
+def cpu_medians(spent: list[dict[str, float]]) -> dict[str, float]:
+    """Per role (and its page faults), the median over refits of :func:`cpu_spent`."""
+    roles = sorted({r for c in spent for r in c})
+    return {r: median([c.get(r, 0.0) for c in spent]) for r in roles}
+
+
 class MemoryWatch:
     """The peak resident memory of this process tree, sampled every 0.5 s."""
 
@@ -576,8 +582,7 @@ class Run:
     def cpu_medians(self) -> dict[str, float]:
         """The median CPU seconds per role over the refits timed since the last call."""
         spent, self.cpu = self.cpu, []
-        roles = sorted({r for c in spent for r in c})
-        return {r: median([c.get(r, 0.0) for c in spent]) for r in roles}
+        return cpu_medians(spent)
 
     # -- methods -------------------------------------------------------------------------
     def reshard(self, before: list[dict]) -> dict[str, Any]:
@@ -635,9 +640,8 @@ class Run:
             seconds.append(time.perf_counter() - t0)
             cpu.append(cpu_spent(cpu0, tree_cpu(os.getpid())))
         self.collective("bench_floor_close")
-        self.cpu = cpu[1:]
         return {"seconds": seconds[1:], "inner_seconds": max(r["seconds"] for r in inner),
-                "cpu_seconds": self.cpu_medians()}
+                "cpu_seconds": cpu_medians(cpu[1:])}
 
     def gather_broadcast(self, before: list[dict]) -> dict[str, Any]:
         port = self.free_port()
