@@ -610,6 +610,8 @@ class Run:
                "bytes_received": [r["bytes_received"] for r in details[-1]["engine"]],
                "expected_bytes": [i["expected_bytes"] for i in infos],
                "buffer_bytes": [i["buffer_bytes"] for i in infos],
+               # received into the engine's own unread LM head weight: no buffer
+               "own_storage_bytes": [i.get("own_storage_bytes", 0) for i in infos],
                "shadow_bytes": [i["shadow_bytes"] for i in infos],
                "breakdown": [{
                    "trainer_transfer": max(t["transfer_seconds"] for t in d["trainer"]),

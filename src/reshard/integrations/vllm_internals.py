@@ -27,7 +27,7 @@ __all__ = [
     "packed_gemm_mismatches", "params_held", "prepack_experts", "process_in_place",
     "quiet_reload", "refuse_unreloadable", "replies_asleep", "reset_moe_kernels",
     "reset_peak_rss", "restore_loaders", "return_freed_memory", "rss_bytes",
-    "snapshot_loaders", "stand_in", "take_over", "tied_aliases",
+    "snapshot_loaders", "stand_in", "take_over", "tied_aliases", "unread_lm_head_weight",
 ]
 
 
@@ -271,6 +271,37 @@ def params_held(module: torch.nn.Module) -> set[str]:
     return {k for k, p in module._parameters.items() if p is not None}
 
 
+def unread_lm_head_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of an LM head (``ParallelLMHead``) that nothing reads once vLLM CPU
+    packed its GEMM, or None. vLLM CPU keeps an LM head's weight after packing (its
+    processing, shared with embeddings, which look tokens up in it: ``remove_weight=False``),
+    yet the logits come from the packed copy alone (``cpu_linear``) on the paths where vLLM
+    drops a linear layer's weight after making the same copy (oneDNN, the small-GEMM
+    kernel, zentorch prepacked). Not on the others: no packed GEMM, the plain
+    ``F.linear`` fallback, or a GEMM whose closure holds a tensor on the weight's storage
+    (zentorch unprepacked) or a module. Such a weight is storage the engine holds and never
+    reads: a refit may receive the LM head into it, with no buffer of its own."""
+    if type(module).__name__ != "ParallelLMHead":
+        return None
+    weight = module._parameters.get("weight")
+    gemm = module.__dict__.get("cpu_linear")
+    if weight is None or not weight.numel() or gemm is None:
+        return None
+    if gemm is torch.nn.functional.linear or not callable(gemm):
+        return None
+    storage = weight.untyped_storage().data_ptr()
+    captured = [c.cell_contents for c in getattr(gemm, "__closure__", None) or ()]
+    captured += list(getattr(gemm, "__defaults__", None) or ())
+    if not captured:  # nothing of its own to compute from: it must read the weight
+        return None
+    for value in captured:
+        if isinstance(value, torch.nn.Module) or (
+                isinstance(value, torch.Tensor) and value.numel()
+                and value.untyped_storage().data_ptr() == storage):
+            return None
+    return weight.data
+
+
 def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor],
                      heap: HeapBound | None = None) -> None:
     """Give ``module`` new weights and rerun its processing after loading, as layerwise
@@ -286,7 +317,8 @@ def process_in_place(module: torch.nn.Module, logical: Mapping[str, torch.Tensor
     for attr, tensor in logical.items():
         live = kernel[attr]
         if live.numel() == tensor.numel():
-            live.data.copy_(tensor.view(live.shape))
+            if live.data_ptr() != tensor.data_ptr():  # not received into its own storage
+                live.data.copy_(tensor.view(live.shape))
         else:
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
     # the old packed copy goes first (its closure holds it): a commit then holds no
@@ -431,16 +463,19 @@ def packed_expert_mismatches(model: torch.nn.Module, reference: Mapping[str, tor
     return bad
 
 
-def stand_in(module: torch.nn.Module) -> torch.nn.Module:
+def stand_in(module: torch.nn.Module, unread: Sequence[torch.Tensor] = ()) -> torch.nn.Module:
     """A copy of ``module`` that :func:`process_in_place` may process while the engine
     runs the module itself: its own attribute, parameter and buffer dicts (so a packed
     copy or a parameter vLLM sets lands on the copy alone) and its own clone of every
-    parameter vLLM keeps whole (a bias, an LM head's weight); the packed-away (empty)
-    ones and everything else shared, read only."""
+    parameter vLLM keeps whole (a bias, an LM head's weight) but those on the storage of
+    a tensor in ``unread`` (which the engine never reads: :func:`unread_lm_head_weight`);
+    the packed-away (empty) ones and everything else shared, read only."""
     import copy
 
+    shared = {t.untyped_storage().data_ptr() for t in unread}
     other = copy.copy(module)
-    other._parameters = {k: p if p is None or not p.numel() else
+    other._parameters = {k: p if p is None or not p.numel()
+                         or p.untyped_storage().data_ptr() in shared else
                          torch.nn.Parameter(p.data.clone(), requires_grad=False)
                          for k, p in module._parameters.items()}
     other._buffers = dict(module._buffers)

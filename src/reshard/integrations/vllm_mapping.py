@@ -173,15 +173,18 @@ class VllmMapping:
         self._check_rank(rank)
         return {n: t.slot for n, t in self.tensors.items()}
 
-    def allocate(self, rank: int, *, like: Any = None, device: Any = None) -> dict[str, Any]:
-        """Zero logical tensors (vLLM param -> tensor) for ``rank``: padding rows stay 0,
-        as vLLM's loaders leave them."""
+    def allocate(self, rank: int, names: Iterable[str] | None = None, *, like: Any = None,
+                 device: Any = None) -> dict[str, Any]:
+        """Zero logical tensors (vLLM param -> tensor) for ``rank``, of every parameter or
+        of ``names``: padding rows stay 0, as vLLM's loaders leave them."""
         import torch
 
         self._check_rank(rank)
+        wanted = self.param_shapes if names is None else {p: self.param_shapes[p]
+                                                          for p in names}
         return {p: torch.zeros(s, device=device, dtype=like if like is not None else
                                getattr(torch, self.param_dtypes.get(p, self.dtype)))
-                for p, s in self.param_shapes.items()}
+                for p, s in wanted.items()}
 
     def targets(self, rank: int, params: Mapping[str, Any]) -> dict[str, Any]:
         """HF name -> view into ``params`` (vLLM param -> ``rank``'s logical tensor):

@@ -17,7 +17,10 @@ How a refit lands on one rank:
      receiver's targets are views into the live parameter itself; no buffer exists;
    * **logical buffer**: where vLLM repacks or pads after loading (CPU GEMM packing of
      linear layers and the LM head, MoE experts padded and prepacked), one logical
-     buffer per parameter, committed through vLLM's layerwise reload.
+     buffer per parameter, committed through vLLM's layerwise reload; except an LM
+     head of its own on vLLM CPU, received into its weight, which vLLM keeps after
+     packing and never reads (``own_storage`` in ``reshard_info``; see
+     :func:`~reshard.integrations.vllm_internals.unread_lm_head_weight`).
 2. ``RefitReceiver.refit()`` writes the buffers directly (they are the staging of what
    they hold: nothing reaches the live model before the commit) and the in-place
    targets through a shadow of just those targets with ``staging="shadow"``, straight
@@ -101,6 +104,7 @@ from reshard.integrations.vllm_internals import (
     stand_in,
     take_over,
     tied_aliases,
+    unread_lm_head_weight,
 )
 from reshard.integrations.vllm_mapping import (
     MappingError,
@@ -261,8 +265,11 @@ class ReshardState:
                                                 self.aliases)
                            if self.where[n][0] not in converted}
         self.live = {n: self._param(n).data for n in sorted(self.live_names)}
-        self.buffers = {n: b for n, b in self.mapping.allocate(self.rank).items()
-                        if n not in self.live_names}
+        buffered = [n for n in self.mapping.param_shapes if n not in self.live_names]
+        self.own_storage = self._unread_storage(buffered)
+        made = self.mapping.allocate(self.rank, [n for n in buffered
+                                                 if n not in self.own_storage])
+        self.buffers = {n: made[n] if n in made else self.own_storage[n] for n in buffered}
         self.direct = self._direct_modules()
         # MoE experts prepacked in place (vLLM CPU's unquantized experts, no biases)
         self.experts = direct_experts(self.model, self.where, list(self.buffers),
@@ -272,6 +279,30 @@ class ReshardState:
         targets = self.mapping.targets(self.rank, {**self.buffers, **self.live})
         return targets, self.mapping.layouts, [h for h, s in slots.items()
                                                 if s.param in self.buffers]
+
+    def _unread_storage(self, buffered: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The buffered parameters received into their own storage, which the engine
+        holds and never reads (``vllm_internals.unread_lm_head_weight``: an LM head of
+        its own on vLLM CPU, whose logits come from its packed GEMM copy): no buffer is
+        made for them. Their padding rows are zeroed, as a new buffer's are."""
+        out = {}
+        storages: dict[int, int] = {}  # storage -> parameters on it (a tied one: several)
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            key = p.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+        for name in buffered:
+            mname, attr, _, dtype = self.where[name]
+            held = unread_lm_head_weight(self.model.get_submodule(mname) if mname
+                                         else self.model)
+            if (held is None or attr != "weight" or name in self.aliases
+                    or name in self.mapping.converts or not held.is_contiguous()
+                    or tuple(held.shape) != tuple(self.mapping.param_shapes[name])
+                    or held.dtype != dtype
+                    or storages.get(held.untyped_storage().data_ptr(), 0) != 1):
+                continue
+            held.zero_()
+            out[name] = held
+        return out
 
     def _direct_modules(self) -> dict[str, list[str]]:
         """Module -> its buffered parameters, for the modules a commit processes in place
@@ -309,15 +340,18 @@ class ReshardState:
         """Sizes: HF tensors, vLLM parameters (written in place or through a logical
         buffer), bytes a refit brings, the memory it costs beyond the weights."""
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        buffer_bytes, shadow_bytes = nbytes(self.buffers.values()), self.receiver.shadow_bytes
+        own = nbytes(self.own_storage.values())
+        buffer_bytes = nbytes(self.buffers.values()) - own
+        shadow_bytes = self.receiver.shadow_bytes
         return {"rank": self.rank, "version": self.version, "stale": self.stale,
                 "staging": self.staging, "tensors": len(self.mapping.tensors),
                 "params": len(self.mapping.param_shapes),
                 "in_place": sorted(self.live_names), "buffered": sorted(self.buffers),
+                "own_storage": sorted(self.own_storage), "own_storage_bytes": own,
                 "packed_in_place": sorted(self.direct),
                 "heap_slack_bytes": self.heap_slack_bytes,
                 "prepacked_experts": sorted(self.experts),
-                "weight_bytes": nbytes(self.live.values()) + nbytes(self.buffers.values()),
+                "weight_bytes": nbytes(self.live.values()) + buffer_bytes + own,
                 "in_place_bytes": nbytes(self.live.values()),
                 "expected_bytes": self.expected_bytes, "buffer_bytes": buffer_bytes,
                 "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
@@ -407,7 +441,7 @@ class ReshardState:
                 module = self.model.get_submodule(mname) if mname else self.model
                 if type(module).__name__ in unread:
                     continue  # written in place at the swap
-                standin = stand_in(module)
+                standin = stand_in(module, list(self.own_storage.values()))
                 process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
                 self.prepared[mname] = standin
                 for name in names:  # a tied tensor's other holders pack the new weight too
