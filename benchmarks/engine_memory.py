@@ -8,7 +8,9 @@ job of the integration tests (2 gloo ranks, FSDP2, AdamW) and takes 3 refits. Pe
 * received: what a refit brings to the rank (its shard of every tensor);
 * in place: parameters written straight into the live model (no logical buffer);
 * buffers: logical buffers of the parameters vLLM repacks or pads (committed through
-  vLLM's layerwise reload); shadow: the never-torn copy of what is written in place;
+  vLLM's layerwise reload); LM head in own storage: an LM head of its own, received into
+  its weight, which vLLM CPU keeps after packing and never reads (no buffer); shadow: the
+  never-torn copy of what is written in place;
 * staging arena: the transfer's staging (peak); commit transient: what a commit holds
   beyond the buffers (``commit_transient_bytes``, see :func:`accounted_peak`);
 * accounted rise: the larger of the two, what a refit adds while it runs; measured rise:
@@ -106,7 +108,8 @@ def rows(results: dict) -> list[list[str]]:
                      for step in res["lasts"]]
             out.append([model, staging, str(rank), mib(info["weight_bytes"]),
                         mib(info["expected_bytes"]), mib(info["in_place_bytes"]),
-                        mib(info["buffer_bytes"]), mib(info["shadow_bytes"]),
+                        mib(info["buffer_bytes"]), mib(info.get("own_storage_bytes", 0)),
+                        mib(info["shadow_bytes"]),
                         f"{info['extra_bytes'] / info['expected_bytes']:.2f}x",
                         mib(staging_bytes), mib(info["commit_transient_bytes"]),
                         mib(max(staging_bytes, info["commit_transient_bytes"])),
@@ -118,7 +121,8 @@ def rows(results: dict) -> list[list[str]]:
 
 
 HEADERS = ["model", "staging", "rank", "weights", "received", "in place", "buffers",
-           "shadow", "(buffers+shadow) / received", "staging arena", "commit transient",
+           "LM head in own storage", "shadow", "(buffers+shadow) / received",
+           "staging arena", "commit transient",
            "accounted rise", "measured rise", "accounted peak",
            "measured peak (3 refits)", "measured after"]
 

@@ -49,7 +49,8 @@ How a refit lands on one rank:
 
 Memory per rank beyond the weights: the buffers of repacked parameters, plus with
 ``staging="shadow"`` a copy of what is written in place -- together what the rank
-receives (plus vocabulary padding rows), the transfer's staging arena (its budget), and
+receives (plus vocabulary padding rows, less an LM head received into its own unread
+weight), the transfer's staging arena (its budget), and
 during a commit one reloaded layer at a time. ``reshard_info`` gives each figure;
 ``benchmarks/engine_memory.py`` measures them against resident memory.
 
