@@ -285,7 +285,8 @@ class ReshardState:
         """The buffered parameters received into their own storage, which the engine
         holds and never reads (``vllm_internals.unread_lm_head_weight``: an LM head of
         its own on vLLM CPU, whose logits come from its packed GEMM copy): no buffer is
-        made for them. Their padding rows are zeroed, as a new buffer's are."""
+        made for them. Each is zeroed whole at init, so that its padding rows, which no
+        refit writes, are 0 as a new buffer's are."""
         out = {}
         storages: dict[int, int] = {}  # storage -> parameters on it (a tied one: several)
         for _, p in self.model.named_parameters(remove_duplicate=False):
