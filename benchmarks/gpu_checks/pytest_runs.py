@@ -29,7 +29,7 @@ TESTS_RUN = (  # the longest first, so that the pool ends early
     "tests/unit/test_layout.py", "tests/unit/test_views.py", "tests/unit/test_devices.py",
     "tests/unit/test_staging_cap.py",
     "tests/multiproc/test_colocated.py", "tests/unit/test_colocated_specs.py",
-    "tests/unit/test_fp8_blocks.py",
+    "tests/unit/test_fp8_blocks.py", "tests/multiproc/test_collective_release.py",
 )
 
 _PURE = "pure Python (no tensor on a device, nothing torch-version dependent); the CPU CI runs it"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pickle
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from datetime import timedelta
 from typing import Any
@@ -22,7 +22,11 @@ import torch.distributed as dist
 
 from reshard.errors import ConfigError
 
-__all__ = ["Comm", "backend_device_types", "free_port"]
+__all__ = ["Comm", "backend_device_types", "collective", "free_port"]
+
+#: How long a finished gloo collective may take to let go of its tensors (see
+#: :func:`collective`); it takes microseconds unless its thread is starved of a core.
+RELEASE_WAIT_S = 10.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,16 +141,16 @@ class Comm:
             end = time.monotonic() + timeout.total_seconds()
             opts = AllgatherOptions()
             opts.timeout = timeout
-            self.pg.allgather([sizes], [size], opts).wait()
+            self.collective(lambda: self.pg.allgather([sizes], [size], opts), [size, *sizes])
             opts = AllgatherOptions()
             opts.timeout = timedelta(seconds=max(end - time.monotonic(), 0.001))
             return self._gather_payload(data, sizes, device, opts)
-        self.pg.allgather([sizes], [size]).wait()
+        self.collective(lambda: self.pg.allgather([sizes], [size]), [size, *sizes])
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[:data.numel()] = data.to(device)
         outs = [torch.empty_like(padded) for _ in range(self.size)]
-        self.pg.allgather([outs], [padded]).wait()
+        self.collective(lambda: self.pg.allgather([outs], [padded]), [padded, *outs])
         return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
                 for o, s in zip(outs, sizes)]
 
@@ -155,7 +159,7 @@ class Comm:
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[:data.numel()] = data.to(device)
         outs = [torch.empty_like(padded) for _ in range(self.size)]
-        self.pg.allgather([outs], [padded], opts).wait()
+        self.collective(lambda: self.pg.allgather([outs], [padded], opts), [padded, *outs])
         return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes())
                 for o, s in zip(outs, sizes)]
 
@@ -167,7 +171,12 @@ class Comm:
         opts.reduceOp = dist.ReduceOp.MAX
         if timeout is not None:
             opts.timeout = timeout
-        self.pg.allreduce([tensor], opts).wait()
+        self.collective(lambda: self.pg.allreduce([tensor], opts), [tensor])
+
+    def collective(self, issue: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> None:
+        """Run the collective ``issue()`` posts on ``tensors`` to the end: see
+        :func:`collective`."""
+        collective(issue, tensors, backend=self.backend)
 
     def barrier(self) -> None:
         self.all_gather_object(None)
@@ -216,6 +225,38 @@ class Comm:
                 if sub is not None:
                     sub.close()
             self.pg.shutdown() if hasattr(self.pg, "shutdown") else None
+
+
+def collective(issue: Callable[[], Any], tensors: Sequence[torch.Tensor], *,
+               backend: str = "gloo") -> None:
+    """Post a collective (``issue()``: its work handle) on ``tensors``, wait for it, and
+    on gloo also until the group's worker thread has let go of those tensors.
+
+    Gloo runs a collective on a worker thread, which drops its references to the tensors
+    a moment after it marks the work done, so after ``wait()`` returns. Since torch
+    2.10 a tensor that C++ still references holds its Python object, so that drop
+    decrefs a Python object and takes the GIL. When the collective was a process's last
+    (``redistribute`` and then exit), the main thread may reach interpreter shutdown
+    first; Python then ends the worker thread inside a C++ destructor and the process
+    aborts ("terminate called without an active exception", SIGABRT) after a correct
+    run. Waiting here, with the GIL released, until the tensors' C++ reference counts
+    are back to what they were closes that window (microseconds when the thread runs;
+    at most :data:`RELEASE_WAIT_S`). NCCL's watchdog keeps its tensors longer, by
+    design: it is not waited for.
+    """
+    counted = backend == "gloo" and all(hasattr(t, "_use_count") for t in tensors)
+    held = [t._use_count() for t in tensors] if counted else []
+    work = issue()
+    work.wait()
+    del work  # the handle itself holds the tensors
+    if not counted:
+        return
+    end, pause = time.monotonic() + RELEASE_WAIT_S, 1e-5
+    while any(t._use_count() > n for t, n in zip(tensors, held)):
+        if time.monotonic() > end:
+            return
+        time.sleep(pause)  # releases the GIL the worker thread is waiting for
+        pause = min(2 * pause, 1e-3)
 
 
 _ABORT_TAG = (1 << 30) + 11  # never sent: receives on it only time out

@@ -137,7 +137,7 @@ class GatherBroadcast:
             pos += flat.numel()
         outs = [self._buffer(bi, "out", i, numel=longest, dtype=torch.uint8,
                              device=device) for i in range(len(slots))]
-        gather.pg.allgather([outs], [mine]).wait()
+        gather.collective(lambda: gather.pg.allgather([outs], [mine]), [mine, *outs])
         stats.bytes_sent += pos * (len(outs) - 1)
         ranks = bucket[0].src.ranks
         order = sorted(ranks[s] for s in slots)  # subgroup ranks ascend with global ranks
@@ -168,7 +168,7 @@ class GatherBroadcast:
 
         opts = BroadcastOptions()
         opts.rootRank = root
-        bcast.pg.broadcast([buf], opts).wait()
+        bcast.collective(lambda: bcast.pg.broadcast([buf], opts), [buf])
         return out
 
     def _keep(self, bucket, full, dst) -> None:
