@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,12 +22,13 @@ from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES
 from reshard.integrations.vllm_mapping import MappingError
 
 __all__ = [
-    "HeapBound", "cpu_experts", "derived_buffers", "direct_experts", "direct_modules",
-    "has_own_lm_head", "kept_live", "logical_params", "packed_expert_mismatches",
-    "packed_gemm_mismatches", "params_held", "prepack_experts", "process_in_place",
-    "quiet_reload", "refuse_unreloadable", "replies_asleep", "reset_moe_kernels",
-    "reset_peak_rss", "restore_loaders", "return_freed_memory", "rss_bytes",
-    "snapshot_loaders", "stand_in", "take_over", "tied_aliases", "unread_lm_head_weight",
+    "HeapBound", "REPLY_RECHECK_S", "cpu_experts", "derived_buffers", "direct_experts",
+    "direct_modules", "has_own_lm_head", "kept_live", "logical_params",
+    "packed_expert_mismatches", "packed_gemm_mismatches", "params_held", "prepack_experts",
+    "process_in_place", "quiet_reload", "refuse_unreloadable", "replies_asleep",
+    "reset_moe_kernels", "reset_peak_rss", "restore_loaders", "return_freed_memory",
+    "rss_bytes", "snapshot_loaders", "stand_in", "take_over", "tied_aliases",
+    "unread_lm_head_weight",
 ]
 
 
@@ -629,25 +630,58 @@ def reset_peak_rss() -> bool:
         return False
 
 
+#: While a worker call runs, the engine core looks at its reply queues at least this often
+#: (seconds) when no notification came: the cost of a notification vLLM's writer dropped.
+REPLY_RECHECK_S = 0.01
+
+
 @contextlib.contextmanager
-def replies_asleep(executor: Any) -> Any:
-    """While a worker call runs, the engine core waits for its replies asleep.
+def replies_asleep(executor: Any, recheck_s: float = REPLY_RECHECK_S) -> Any:
+    """While a worker call runs, the engine core waits for its replies asleep, waking at
+    least every ``recheck_s`` to look at the queue.
 
     vLLM 0.32's multiprocess executor reads each worker's reply from a shared-memory
     queue whose reader spins (``sched_yield``) for a second after its last read before it
     sleeps on the writer's notification (``SpinCondition.busy_loop_s``). Through a refit
     that spinning is a busy process beside the workers and the trainer ranks: on a host
-    with fewer cores than processes it takes CPU from the refit itself. The writer
-    notifies after every write, so a reader that never spins still wakes for each reply.
-    Executors without such queues (Ray, uniprocess) are left as they are."""
+    with fewer cores than processes it takes CPU from the refit itself.
+
+    The notification alone is not enough: the writer publishes it on a zmq PUB socket
+    with a high-water mark of one message, and PUB drops a message silently while the
+    previous one still counts against that mark (until the writer's thread takes its I/O
+    thread's word that it left). A reply that follows the previous one within that
+    window -- ``outcome`` right after ``finish_weight_update``, the worker spinning and
+    answering in a millisecond -- is written without a notification; vLLM's reader finds
+    it only because it spins after each read, and otherwise at its 5 s recheck
+    (``SHM_READER_RECHECK_INTERVAL_MS``). So the reader here does not spin, and its idle
+    waits are cut to ``recheck_s`` (a poll every 10 ms: no CPU to speak of); a dropped
+    notification costs at most that. Executors without such queues (Ray, uniprocess)
+    are left as they are."""
     conditions = [c for mq in getattr(executor, "response_mqs", None) or ()
                   if (c := getattr(mq, "_spin_condition", None)) is not None
-                  and getattr(c, "is_reader", False) and hasattr(c, "busy_loop_s")]
-    saved = [c.busy_loop_s for c in conditions]
+                  and getattr(c, "is_reader", False) and hasattr(c, "busy_loop_s")
+                  and callable(getattr(c, "wait", None))]
+    saved = [(c.busy_loop_s, c.__dict__.get("wait")) for c in conditions]
+    cap_ms = max(1, round(recheck_s * 1000))
     for c in conditions:
         c.busy_loop_s = 0.0
+        c.wait = _capped_wait(c.wait, cap_ms)
     try:
         yield len(conditions)
     finally:
-        for c, s in zip(conditions, saved, strict=True):
-            c.busy_loop_s = s
+        for c, (busy, wait) in zip(conditions, saved, strict=True):
+            c.busy_loop_s = busy
+            if wait is None:
+                del c.wait
+            else:
+                c.wait = wait
+
+
+def _capped_wait(wait: Callable[..., None], cap_ms: int) -> Callable[..., None]:
+    """``SpinCondition.wait`` with its idle timeout cut to ``cap_ms`` (its caller, vLLM's
+    ``acquire_read``, looks at the queue again after every return)."""
+
+    def capped(timeout_ms: int | None = None) -> None:
+        wait(timeout_ms=cap_ms if timeout_ms is None else min(timeout_ms, cap_ms))
+
+    return capped

@@ -25,11 +25,14 @@ engine core, before it schedules anything else:
 * sets the engine's ``weight_version`` (attached to every output) to the committed
   trainer step, for ``reshard_refit`` (``finish_weight_update`` takes it from the caller).
 
-While any such call runs, the engine core waits for the workers' replies asleep instead
+While any worker call runs, the engine core waits for the workers' replies asleep instead
 of spinning (:func:`reshard.integrations.vllm_internals.replies_asleep`): vLLM's reader
 spins for its first second, a busy process beside the workers and the trainer ranks a
 refit needs (measured with a 3 s worker call on an idle host: 0.99 s of the engine
-core's CPU without, none with it).
+core's CPU without, none with it). It looks at the reply queues every 10 ms all the
+same: vLLM's writer drops the notification of a reply that follows the previous one
+within about a millisecond, which a reader that does not spin would otherwise find only
+at vLLM's 5 s recheck (every served refit's finish stalled 5 s that way).
 
 Cost: the next requests recompute their prefixes once (a cold cache); nothing else.
 The worker extension refuses to meet a trainer in an engine where this plugin is not
