@@ -12,7 +12,8 @@ Per refit: the engine's pause (rank 0's figure: the whole round for (b), the fin
 that swaps for (c)), the transfer (the trainer's send), the longest gap between two
 tokens any client saw during the refit window, and the tokens/s all clients received
 over the refit window against (a)'s over a whole phase. The model: a Qwen3-0.6B-shaped
-config with random weights (float32 trainer, bf16 server, TP2), big enough that the
+config with random weights (float32 trainer, bf16 server -- float32 on a host without
+bf16 GEMMs, see ``server_dtype`` --, TP2), big enough that the
 transfer dominates on a 2-core host; ``--model tiny`` for a quick check.
 
 Threads: each server worker has one OpenMP thread bound to its own core (vLLM CPU's
@@ -167,6 +168,19 @@ def build_model(path: Path, kind: str) -> Path:
     return path
 
 
+def server_dtype(asked: str) -> str:
+    """``auto``: bfloat16 where the CPU multiplies bf16 itself (AVX512-BF16 or AMX). On an
+    AVX2-only host oneDNN makes no bf16 matmul and vLLM CPU falls back to torch's bf16
+    linear, far slower there: the 0.6B server was not ready within 300 s (its warm-up
+    alone), so such a host serves float32."""
+    if asked != "auto":
+        return asked
+    import torch
+
+    fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if fast else "float32"
+
+
 def run(a: argparse.Namespace) -> dict:
     from reshard.comm import free_port
     from reshard.tools.serve import Server
@@ -175,7 +189,9 @@ def run(a: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     print(f"building the {a.model} model in {out / 'model'}", flush=True)
     model = build_model(out / "model", a.model)
-    server = Server(model, port=free_port(), log=out / "server.log",
+    dtype = server_dtype(a.dtype)
+    print(f"server dtype {dtype}", flush=True)
+    server = Server(model, port=free_port(), log=out / "server.log", dtype=dtype,
                     kv_cache_bytes=a.kv_cache_mib << 20)
     t_start = time.monotonic()
     with server:
@@ -324,6 +340,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=12.0, help="seconds between refits")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--kv-cache-mib", type=int, default=256)
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="the server's dtype; auto: bfloat16 where the CPU has bf16 GEMMs "
+                         "(AVX512-BF16 or AMX), float32 otherwise")
     ap.add_argument("--out")
     # a trainer rank (started by the benchmark itself)
     ap.add_argument("--trainer", type=int, help=argparse.SUPPRESS)
