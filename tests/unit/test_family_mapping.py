@@ -234,24 +234,40 @@ def test_an_embedding_that_is_the_lm_head_is_not_written_in_place():
     assert has_own_lm_head(model) and kept_live(model, where) == {"embed_tokens.weight"}
 
 
-def test_a_stale_packed_gemm_is_found_by_the_weight_check():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stale_packed_gemm_is_found_by_the_weight_check(dtype):
     """``reshard_verify``'s packed-GEMM check: a linear whose weight changed after vLLM
     packed its CPU GEMM copy computes with the old weights; the check applies both the
-    live copy and one packed fresh from the reference to one input and names it."""
+    live copy and one packed fresh from the reference to one input and names it. Where
+    this host's vLLM packs no copy (bf16 on an AVX2-only host: ``_cpu_gemm``) the GEMM
+    reads the live weight: nothing is stale and the check says so, yet still names a
+    live weight that is not the reference."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     from reshard.integrations.vllm import packed_gemm_mismatches
 
+    from ._cpu_gemm import packs_a_copy
+
     g = torch.Generator().manual_seed(0)
-    old, new = (torch.randn(64, 32, generator=g).bfloat16() for _ in range(2))
+    old, new = (torch.randn(64, 32, generator=g).to(dtype) for _ in range(2))
+    x = torch.randn(3, 32, generator=g).to(dtype)
     model = torch.nn.Module()
     model.proj = torch.nn.Module()
     model.proj.weight = torch.nn.Parameter(old.clone(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(model.proj, remove_weight=False)  # vLLM's own packing
+    before = model.proj.cpu_linear(x, model.proj.weight, None)
     assert packed_gemm_mismatches(model, {"proj.weight": old}, {}) == []
-    model.proj.weight.data.copy_(new)  # written in place: the packed copy is stale
-    assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == ["proj (packed GEMM)"]
+    model.proj.weight.data.copy_(new)  # written in place: a packed copy is now stale
+    packed = torch.equal(model.proj.cpu_linear(x, model.proj.weight, None), before)
+    assert packed or not packs_a_copy(dtype)  # float32: the stale case on every host
+    if packed:
+        assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == [
+            "proj (packed GEMM)"]
+    else:  # F.linear of the live weight: the new weights are read, the old ones refused
+        assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == []
+        assert packed_gemm_mismatches(model, {"proj.weight": old}, {}) == [
+            "proj (packed GEMM)"]
     dispatch_cpu_unquantized_gemm(model.proj, remove_weight=False)  # what a reload does
     assert packed_gemm_mismatches(model, {"proj.weight": new}, {}) == []
 

@@ -18,11 +18,16 @@ from reshard.integrations.vllm_mapping import MappingError
 cpu_moe = pytest.importorskip("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
 from vllm._custom_ops import cpu_prepack_moe_weight  # noqa: E402
 
-#: the portable kernel (AMX's needs a host with AMX)
+#: the portable kernel's layout (the refusal test's)
 ISA = "vec"
+#: (layout, dtype) as vLLM CPU's experts pick them: "vec" (any dtype) where the host has
+#: no AMX, "amx" (bf16 only) where it has. Prepacking is a reordering that runs on any
+#: x86 host (the AMX layout too, measured on an AVX2-only one), so both are checked here.
+LAYOUTS = [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)]
 
 
-def vllm_processed(w13: torch.Tensor, w2: torch.Tensor, padded: int) -> torch.nn.Module:
+def vllm_processed(w13: torch.Tensor, w2: torch.Tensor, padded: int,
+                   isa: str = ISA) -> torch.nn.Module:
     """A layer holding ``w13`` / ``w2`` as vLLM CPU's experts leave it after loading."""
     layer = torch.nn.Module()
     layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
@@ -33,7 +38,7 @@ def vllm_processed(w13: torch.Tensor, w2: torch.Tensor, padded: int) -> torch.nn
     cpu_moe.CPUUnquantizedExperts._pad_moe_intermediate(experts, layer)
     for attr in ("w13_weight", "w2_weight"):
         setattr(layer, attr, torch.nn.Parameter(
-            cpu_prepack_moe_weight(getattr(layer, attr).data, ISA), requires_grad=False))
+            cpu_prepack_moe_weight(getattr(layer, attr).data, isa), requires_grad=False))
     return layer
 
 
@@ -42,19 +47,20 @@ def as_cpu_experts(monkeypatch):
     monkeypatch.setattr(vllm_internals, "cpu_experts", lambda module: SimpleNamespace(isa=ISA))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("isa,dtype", LAYOUTS)
 @pytest.mark.parametrize("intermediate,padded", [(32, 32), (16, 32), (48, 64)])
-def test_prepacked_in_place_equals_vllms_processing(as_cpu_experts, dtype, intermediate,
+def test_prepacked_in_place_equals_vllms_processing(monkeypatch, isa, dtype, intermediate,
                                                      padded):
+    monkeypatch.setattr(vllm_internals, "cpu_experts", lambda module: SimpleNamespace(isa=isa))
     experts, hidden = 4, 64
     gen = torch.Generator().manual_seed(intermediate)
     old = [torch.randn(experts, 2 * intermediate, hidden, generator=gen).to(dtype),
            torch.randn(experts, hidden, intermediate, generator=gen).to(dtype)]
     new = [torch.randn_like(t, dtype=torch.float32).to(dtype) for t in old]
-    live = vllm_processed(*old, padded)  # the engine as loaded with the old weights
+    live = vllm_processed(*old, padded, isa)  # the engine as loaded with the old weights
     storages = [live.w13_weight.data_ptr(), live.w2_weight.data_ptr()]
     vllm_internals.prepack_experts(live, {"w13_weight": new[0], "w2_weight": new[1]})
-    fresh = vllm_processed(*new, padded)  # a fresh engine loaded with the new ones
+    fresh = vllm_processed(*new, padded, isa)  # a fresh engine loaded with the new ones
     for attr in ("w13_weight", "w2_weight"):
         assert torch.equal(getattr(live, attr).view(torch.uint8),
                            getattr(fresh, attr).view(torch.uint8)), attr

@@ -128,8 +128,15 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TORCH_LOGS": "-torch",  # torch's Python loggers at ERROR ("Triton not available")
 }
-#: Python warnings of the libraries' imports that say nothing about the demo.
-QUIET_WARNINGS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",)
+#: Python warnings of the libraries that say nothing about the demo: vLLM's use of
+#: ``reduce_op`` at import, and of ``all_gather_into_tensor`` (deprecated in torch 2.13)
+#: in each TP worker's logits gather, ``CpuCommunicator.all_gather``. vLLM calls it only
+#: where its kernel library has no shared-memory collectives, ``torch.ops._C.init_shm_manager``:
+#: the AVX2 build (``vllm._C_AVX2``, picked on hosts without AVX-512) has none, the
+#: AVX-512 ones (``_C``, ``_C_AVX512``) have them and gather through shared memory.
+QUIET_WARNINGS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
+                  "ignore:`torch.distributed.all_gather_into_tensor` is deprecated"
+                  ":FutureWarning")
 
 
 def verbose_requested(flag: bool = False) -> bool:
