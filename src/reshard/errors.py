@@ -37,6 +37,10 @@ class AuthError(ReshardError, PermissionError):
     ``docs/security.md``)."""
 
 
+class TokenRefused(AuthError):
+    """The gate refused this rank's token: the two jobs hold different tokens."""
+
+
 def error_class(name: str, default: type[ReshardError]) -> type[ReshardError]:
     """The error class of this family called ``name`` (as a rank reported it to the
     others, so that every rank raises the same class), else ``default``."""

@@ -14,9 +14,11 @@ learns nothing but the gate's banner and a random nonce)::
 
 A recorded handshake cannot be replayed: the other side's nonce is new every time. The
 token itself never leaves the process; the key is an HMAC of it. Garbage, a stalled
-peer and floods cost the gate one thread per pending connection, each bounded by a
-handshake timeout, the oldest evicted past a cap; none blocks the accept loop.
-See ``docs/security.md``.
+peer and floods cost the gate one thread per pending connection, each bounded by one
+deadline for the whole handshake, the oldest evicted past a cap; none blocks the accept
+loop. A rank the gate refused (or, without a token, would refuse) says why on a fresh
+connection, ``NOTICE`` and one byte in place of the hello (:func:`tell`), so that the
+host's ranks learn it at once. See ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -31,21 +33,25 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 
-from reshard.errors import AuthError, ConfigError
+from reshard.errors import AuthError, ConfigError, TokenRefused
 
-__all__ = ["TOKEN_ENV", "AuthError", "Gate", "Key", "Relay", "is_gate", "new_token",
-           "resolve_key"]
+__all__ = ["TOKEN_ENV", "AuthError", "Gate", "Key", "Relay", "TokenRefused", "is_gate",
+           "new_token", "resolve_key", "tell"]
 
 #: The environment variable a job's token comes from when none is passed.
 TOKEN_ENV = "RESHARD_TOKEN"
 MIN_TOKEN_CHARS = 16
 MAGIC = b"RSHDGT1\x00"
+NOTICE = b"RSHDNT1\x00"  # in place of MAGIC: a refused rank says why, in one byte
+#: What a refused rank may say of itself: it holds no token, or another one.
+NOTICES = {"none": b"N", "other": b"D"}
 NONCE = 32
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 5.0  # the gate's deadline for a whole handshake
 MAX_PENDING = 64  # handshakes in progress at the gate; past it the oldest is dropped
 _EOF_RETRIES = 5  # a gate under a flood may drop a pending handshake: dial again
-BANNER_WAIT_S = 2.0  # a client's wait for the gate's answers (a plain store never answers)
+BANNER_WAIT_S = 2.0  # a client's deadline for its whole handshake (a plain store never answers)
 PROBE_S = 0.1  # a rank without a token looks this long for a gate's banner
+SILENCE_S = 1.0  # a rank with one waits this long for it before asking who else listens
 
 
 class Key:
@@ -94,9 +100,24 @@ def resolve_key(token: str | bytes | Key | None) -> Key | None:
     return Key(token)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic()``); TimeoutError if none."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake's deadline passed")
+    return left
+
+
+def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(_left(deadline))
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all by ``deadline``: one deadline however the peer spaces them."""
     buf = bytearray()
     while len(buf) < n:
+        sock.settimeout(_left(deadline))
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError(f"the peer closed the connection after {len(buf)} of "
@@ -157,12 +178,15 @@ class _Door:
 
 class Gate(_Door):
     """The public face of a store: authenticates each connection, then relays it to the
-    real store at ``inner`` (a loopback address only the host dials)."""
+    real store at ``inner`` (a loopback address only the host dials).
+
+    ``on_refused(why, notice)`` hears of each refused connection: ``notice`` is what a
+    refused rank said of itself (a key of ``NOTICES``), else None."""
 
     def __init__(self, listener: socket.socket, inner: tuple[str, int], key: Key, *,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                  max_pending: int = MAX_PENDING,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str | None], None] | None = None) -> None:
         self.listener, self.inner, self.key = listener, inner, key
         self.handshake_timeout, self.max_pending = handshake_timeout, max_pending
         self.on_refused = on_refused
@@ -198,16 +222,16 @@ class Gate(_Door):
             return True
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        deadline = time.monotonic() + self.handshake_timeout  # for the whole handshake
         try:
-            conn.settimeout(self.handshake_timeout)
-            verdict = self._handshake(conn)
+            verdict = self._handshake(conn, deadline)
         except TimeoutError:
-            verdict = "a connection that stalled past the handshake timeout"
+            verdict = "a connection that stalled past the handshake timeout", None
         except OSError:  # ConnectionError too
-            verdict = "a connection closed before the handshake ended"
+            verdict = "a connection closed before the handshake ended", None
         if verdict is not None:
             self._settle(conn)
-            self._refuse(conn, f"{verdict} from {peer[0]}:{peer[1]}")
+            self._refuse(conn, f"{verdict[0]} from {peer[0]}:{peer[1]}", verdict[1])
             return
         try:
             conn.settimeout(None)
@@ -217,72 +241,118 @@ class Gate(_Door):
             return
         _join(conn, inner)
 
-    def _handshake(self, conn: socket.socket) -> str | None:
-        """None if the peer proved it holds the key, else why not."""
+    def _handshake(self, conn: socket.socket, deadline: float) -> tuple[str, str | None] | None:
+        """None if the peer proved it holds the key, else why not and what the peer said
+        of itself (a notice), if anything."""
         mine = secrets.token_bytes(NONCE)
-        conn.sendall(MAGIC + mine)
-        if _recv_exact(conn, len(MAGIC)) != MAGIC:
-            return "a connection without the reshard handshake (no token?)"
-        theirs = _recv_exact(conn, NONCE)
-        proof = _recv_exact(conn, 32)
+        _send(conn, MAGIC + mine, deadline)
+        hello = _recv_exact(conn, len(MAGIC), deadline)
+        if hello == NOTICE:
+            said = _recv_exact(conn, 1, deadline)
+            notice = next((k for k, code in NOTICES.items() if code == said), None)
+            return f"a rank that said it holds {_HOLDS.get(notice, 'something unknown')}", notice
+        if hello != MAGIC:
+            return "a connection without the reshard handshake (no token?)", None
+        theirs = _recv_exact(conn, NONCE, deadline)
+        proof = _recv_exact(conn, 32, deadline)
         if not hmac.compare_digest(proof, self.key.mac(b"client", mine, theirs)):
-            conn.sendall(b"\x00")
-            return "a wrong token"
+            _send(conn, b"\x00", deadline)
+            return "a wrong token", None
         if not self._settle(conn):  # evicted by a flood: the client dials again
-            return "a connection evicted from the pending handshakes"
+            return "a connection evicted from the pending handshakes", None
         self.accepted += 1
-        conn.sendall(b"\x01" + self.key.mac(b"gate", theirs, mine))
+        _send(conn, b"\x01" + self.key.mac(b"gate", theirs, mine), deadline)
         return None
 
-    def _refuse(self, conn: socket.socket, why: str) -> None:
+    def _refuse(self, conn: socket.socket, why: str, notice: str | None) -> None:
         self.refused += 1
         with suppress(OSError):
             conn.close()
         if self.on_refused is not None and not self._closed:
             with suppress(Exception):
-                self.on_refused(why)
+                self.on_refused(why, notice)
 
 
-def authenticate(sock: socket.socket, key: Key, where: str) -> None:
-    """The client's half of the handshake on a connected socket; raises ``AuthError`` if
-    the gate refuses this key or does not prove it holds it, ``ConnectionError`` if the
-    peer closes first, ``TimeoutError`` if it stalls."""
-    if _recv_exact(sock, len(MAGIC)) != MAGIC:
+_HOLDS = {"none": "no token", "other": "a different token"}
+
+
+def authenticate(sock: socket.socket, key: Key, where: str,
+                 wait: float | None = None) -> None:
+    """The client's half of the handshake on a connected socket, all of it within
+    ``wait`` seconds (else the socket's timeout, else ``BANNER_WAIT_S``); raises
+    ``TokenRefused`` if the gate refuses this key, ``AuthError`` if it does not prove it
+    holds it, ``ConnectionError`` if the peer closes first, ``TimeoutError`` if it
+    stalls."""
+    deadline = time.monotonic() + (wait or sock.gettimeout() or BANNER_WAIT_S)
+    if _recv_exact(sock, len(MAGIC), deadline) != MAGIC:
         raise AuthError(f"the store at {where} is not a reshard gate; nothing was moved")
-    theirs, mine = _recv_exact(sock, NONCE), secrets.token_bytes(NONCE)
-    sock.sendall(MAGIC + mine + key.mac(b"client", theirs, mine))
-    verdict = _recv_exact(sock, 1)
+    theirs, mine = _recv_exact(sock, NONCE, deadline), secrets.token_bytes(NONCE)
+    _send(sock, MAGIC + mine + key.mac(b"client", theirs, mine), deadline)
+    verdict = _recv_exact(sock, 1, deadline)
     if verdict != b"\x01":
-        raise AuthError(f"the store at {where} refused this rank's token: the two jobs hold "
-                        f"different tokens (${TOKEN_ENV} or token=); nothing was moved")
-    if not hmac.compare_digest(_recv_exact(sock, 32), key.mac(b"gate", mine, theirs)):
+        raise TokenRefused(f"the store at {where} refused this rank's token: the two jobs "
+                           f"hold different tokens (${TOKEN_ENV} or token=); nothing was "
+                           "moved")
+    if not hmac.compare_digest(_recv_exact(sock, 32, deadline),
+                               key.mac(b"gate", mine, theirs)):
         raise AuthError(f"the store at {where} did not prove it holds the token: not this "
                         "job's trainer; nothing was moved")
 
 
-def is_gate(host: str, port: int, wait: float = PROBE_S) -> bool:
-    """Whether ``host:port`` answers with a gate's banner within ``wait`` seconds (a rank
-    without a token asks, to say at once that the other job set one)."""
-    try:
-        with socket.create_connection((host, port), timeout=wait) as sock:
-            sock.settimeout(wait)
-            return _recv_exact(sock, len(MAGIC)) == MAGIC
-    except OSError:
-        return False
+def is_gate(host: str, port: int, wait: float = PROBE_S, until: float | None = None) -> bool:
+    """Whether ``host:port`` answers with a gate's banner within ``wait`` seconds of a
+    connection, plus two connection times (a far host's round trips; a rank without a
+    token asks, to say at once that the other job set one). With ``until`` (a
+    ``time.monotonic()`` deadline), dials again while nothing listens there, until then,
+    so that the answer does not depend on which job started first."""
+    while True:
+        start = time.monotonic()
+        with suppress(OSError), socket.create_connection((host, port), max(wait, 1.0)) as sock:
+            if sock.getsockname() != sock.getpeername():  # else a dial met itself: no one
+                deadline = time.monotonic() + wait + 2 * (time.monotonic() - start)
+                try:
+                    return _recv_exact(sock, len(MAGIC), deadline) == MAGIC
+                except OSError:  # silence, or closed: not a gate
+                    return False
+        if until is None or time.monotonic() >= until:
+            return False
+        time.sleep(0.05)
+
+
+def tell(host: str, port: int, notice: str, wait: float = BANNER_WAIT_S) -> None:
+    """Tell the gate at ``host:port`` why this rank leaves (``notice``: a key of
+    ``NOTICES``), so that the ranks of the job behind it learn it at once rather than at
+    their timeout. Best effort, within ``wait`` seconds; returns once the gate closed."""
+    deadline = time.monotonic() + wait
+    with suppress(OSError), socket.create_connection((host, port), timeout=wait) as sock:
+        _recv_exact(sock, len(MAGIC) + NONCE, deadline)  # all it sends: then a clean close
+        _send(sock, NOTICE + NOTICES[notice], deadline)
+        while sock.recv(64):  # nothing comes: the gate reads the notice, then closes
+            sock.settimeout(_left(deadline))
 
 
 class Relay(_Door):
     """A rank's local door to a gated store: its store client connects to
     ``127.0.0.1:port``; each connection (from this process only, on Linux) is carried
-    over a fresh authenticated connection to the gate."""
+    over a fresh authenticated connection to the gate.
 
-    def __init__(self, host: str, port: int, key: Key, *, timeout: float) -> None:
+    ``on_silence()`` runs if the first connection hears nothing for ``SILENCE_S`` plus
+    two connection times (a gate speaks first, a plain store never does): it may raise
+    to say what answers instead.
+    """
+
+    def __init__(self, host: str, port: int, key: Key, *, timeout: float,
+                 on_silence: Callable[[], None] | None = None) -> None:
         self.where, self.key, self.timeout = f"{host}:{port}", key, timeout
-        self.gate = (host, port)
+        self.gate, self._on_silence = (host, port), on_silence
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
-        self._ready = [self._dial()]  # authenticate now: a refused token fails here
+        try:
+            self._ready = [self._dial()]  # authenticate now: a refused token fails here
+        except BaseException:
+            self.listener.close()
+            raise
         self._open("reshard-relay")
 
     @property
@@ -294,7 +364,7 @@ class Relay(_Door):
         retried until ``timeout``; a refused token raises at once."""
         deadline, eofs = time.monotonic() + self.timeout, 0
         while True:
-            left = deadline - time.monotonic()
+            left, start = deadline - time.monotonic(), time.monotonic()
             try:
                 sock = socket.create_connection(self.gate, timeout=max(left, 0.1))
             except OSError as e:
@@ -303,9 +373,12 @@ class Relay(_Door):
                                     f"{self.timeout:.0f} s ({e})") from e
                 time.sleep(min(0.05, max(left, 0)))
                 continue
+            if sock.getsockname() == sock.getpeername():  # a dial that met itself: no one
+                sock.close()
+                continue
             try:
-                sock.settimeout(BANNER_WAIT_S)
-                authenticate(sock, self.key, self.where)
+                self._heard(sock, SILENCE_S + 2 * (time.monotonic() - start))
+                authenticate(sock, self.key, self.where, BANNER_WAIT_S)
                 sock.settimeout(None)
                 return sock
             except (ConnectionError, TimeoutError) as e:  # evicted, or not a gate at all
@@ -320,6 +393,17 @@ class Relay(_Door):
             except BaseException:
                 sock.close()
                 raise
+
+    def _heard(self, sock: socket.socket, wait: float) -> None:
+        """Run ``on_silence`` (once) if ``sock`` hears nothing within ``wait`` seconds."""
+        if self._on_silence is None:
+            return
+        sock.settimeout(wait)
+        try:
+            sock.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            self._on_silence()
+        self._on_silence = None
 
     def _take(self, conn: socket.socket, peer: tuple) -> None:
         if not _from_this_process(peer, self.listener.getsockname()):

@@ -1,6 +1,7 @@
 """The gate and the relay on loopback, in one process with a real TCPStore: who gets in,
-what a process without the token sees, replays, garbage, stalls, floods, and the clear
-errors when only one side holds a token (see docs/security.md)."""
+what a process without the token sees, replays, garbage, stalls, floods, one deadline
+for a whole handshake, and the clear errors (and notices) when only one side holds a
+token, whichever comes first (see docs/security.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import suppress
 from datetime import timedelta
 
 import pytest
@@ -18,8 +21,8 @@ import torch.distributed as dist
 import reshard as R
 from reshard import gate
 from reshard.comm import free_port
-from reshard.gate import MAGIC, NONCE, Key, authenticate, resolve_key
-from reshard.store import open_store, refusals
+from reshard.gate import MAGIC, NONCE, NOTICE, Key, authenticate, resolve_key
+from reshard.store import open_store, refusals, token_notice
 
 TOKEN = "unit-test-token-0123456789"
 T = timedelta(seconds=10)
@@ -78,11 +81,13 @@ def test_a_wrong_token_is_refused_and_learns_only_a_nonce(gated):
     sock = _connect(port)
     with pytest.raises(R.AuthError, match="refused"):
         authenticate(sock, Key("another-token-0123456789"), "here")
-    # the gate counts (then into the store) on its own thread, after its verdict
-    assert _eventually(lambda: "refused 2" in refusals(host))
-    assert host.door.refused == 2 and host.door.accepted == 0
-    assert "refused 2 connection(s), the last: a wrong token from 127.0.0.1:" in \
+    # the gate counts (then into the store) on its own thread, after its verdict; the
+    # refused rank said why on a second connection (a notice the host's ranks watch for)
+    assert _eventually(lambda: "refused 3" in refusals(host))
+    assert host.door.refused == 3 and host.door.accepted == 0
+    assert "refused 3 connection(s), the last: a wrong token from 127.0.0.1:" in \
         refusals(host)
+    assert token_notice(host) == "other"
 
 
 def test_a_replayed_handshake_is_refused(gated):
@@ -118,17 +123,107 @@ def test_garbage_and_a_plain_store_client_get_nothing(gated):
 
 
 def test_a_rank_without_a_token_is_told_the_other_job_set_one(gated):
-    _, port = gated
+    host, port = gated
+    assert token_notice(host) is None
+    with pytest.raises(R.AuthError, match=r"takes only ranks holding a token: the other job "
+                                          r"set one, this rank has none \(\$RESHARD_TOKEN"):
+        open_store("127.0.0.1", port, None, is_server=False, timeout=T, token=None)
+    assert _eventually(lambda: token_notice(host) == "none")  # for the host's ranks
+
+
+def test_a_rank_without_a_token_that_came_before_the_gate_is_told_when_it_comes():
+    port, hosts = free_port(), []
+    later = threading.Timer(0.5, lambda: hosts.append(
+        open_store("127.0.0.1", port, None, is_server=True, timeout=T, token=TOKEN)))
+    later.start()
+    start = time.monotonic()
     with pytest.raises(R.AuthError, match="takes only ranks holding a token"):
         open_store("127.0.0.1", port, None, is_server=False, timeout=T, token=None)
+    later.join()
+    assert time.monotonic() - start < 5  # not at the 10 s timeout: when the gate came
+    assert _eventually(lambda: token_notice(hosts[0]) == "none")
+    hosts[0].door.close()
 
 
-def test_a_token_against_a_store_without_one_fails_at_once():
+class _SlowGate:
+    """Speaks like a gate, ``delay`` seconds after each connection, its banner one byte
+    every ``gap`` seconds (a busy host); keeps what each peer sent."""
+
+    def __init__(self, delay: float, gap: float = 0.0) -> None:
+        self.delay, self.gap, self.heard = delay, gap, []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with suppress(OSError):
+            while True:
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, suppress(OSError):
+            time.sleep(self.delay)
+            for byte in MAGIC + os.urandom(NONCE):
+                conn.sendall(bytes([byte]))
+                time.sleep(self.gap)
+            conn.settimeout(3)
+            self.heard.append(conn.recv(len(NOTICE) + 1, socket.MSG_WAITALL))
+
+
+def test_a_rank_without_a_token_is_told_even_when_the_gate_answers_slowly():
+    slow = _SlowGate(delay=0.4)  # past the 0.1 s first look for a banner
+    with pytest.raises(R.AuthError, match="takes only ranks holding a token"):
+        open_store("127.0.0.1", slow.port, None, is_server=False, timeout=T, token=None)
+    assert NOTICE + b"N" in slow.heard  # and it told the gate why it left
+    slow.listener.close()
+
+
+def test_a_token_against_a_store_without_one_fails_at_once_and_says_so_there():
     port = free_port()
     plain = open_store("127.0.0.1", port, None, is_server=True, timeout=T, token=None)
-    with pytest.raises(R.AuthError, match="does not answer the reshard handshake"):
+    with pytest.raises(R.AuthError, match=r"has no gate: this rank holds a token "
+                                          r"\(\$RESHARD_TOKEN or token=\) and the other job "
+                                          "none"):
         open_store("127.0.0.1", port, None, is_server=False, timeout=T, token=TOKEN)
+    assert token_notice(plain) == "extra"  # for the store's own ranks
     del plain
+
+
+def test_a_handshake_has_one_deadline_at_the_gate_however_slowly_it_trickles(gated):
+    host, port = gated  # handshake timeout 1 s
+    sock = _connect(port)
+    start = time.monotonic()
+    banner = sock.recv(len(MAGIC) + NONCE, socket.MSG_WAITALL)
+    nonce = os.urandom(NONCE)  # a correct hello, one byte every 0.3 s (72 bytes: 21 s)
+    hello = MAGIC + nonce + resolve_key(TOKEN).mac(b"client", banner[len(MAGIC):], nonce)
+    closed_at = None
+    sock.settimeout(0.3)
+    for byte in hello:
+        try:
+            sock.sendall(bytes([byte]))
+            if sock.recv(64) == b"":
+                closed_at = time.monotonic() - start
+                break
+        except TimeoutError:
+            continue
+        except OSError:  # reset
+            closed_at = time.monotonic() - start
+            break
+    assert closed_at is not None and 0.9 < closed_at < 4, closed_at  # not after 21 s
+    assert _eventually(lambda: "stalled past the handshake timeout" in refusals(host))
+    assert host.door.refused == 1 and host.door.accepted == 0
+
+
+def test_a_handshake_has_one_deadline_at_the_client_too():
+    slow = _SlowGate(delay=0.0, gap=0.3)  # a banner of 40 bytes over 12 s
+    sock = socket.create_connection(("127.0.0.1", slow.port), timeout=5)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        authenticate(sock, Key(TOKEN), "here", wait=1.0)
+    assert time.monotonic() - start < 4  # not after the 12 s the banner takes
+    sock.close()
+    slow.listener.close()
 
 
 def test_stalled_connections_are_dropped_and_do_not_block_others(gated):

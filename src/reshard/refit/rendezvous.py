@@ -23,16 +23,17 @@ from datetime import timedelta
 
 from reshard.comm import Comm
 from reshard.errors import FingerprintMismatchError, PlanError, ReshardError, error_class
-from reshard.gate import AuthError, Key, resolve_key
+from reshard.gate import TOKEN_ENV, AuthError, Key, resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan, plan
 from reshard.quant.blocks import BlockFormat
 from reshard.quant.targets import Fp8Refit, plan_fp8_refit
-from reshard.store import refusals
+from reshard.store import refusals, token_notice, token_notices
 
 __all__ = ["Meeting", "meet", "meeting_digest_key"]
 
 SIDES = ("trainer", "inference")
+_POLL_S = 0.05  # how often a rank waiting for the other job looks for a token notice
 
 
 @dataclass
@@ -180,17 +181,22 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
     """Before the group forms: both jobs must give the same sizes and backend, or the
     group would wait for ranks that never come. Each side's rank 0 publishes what its
     job was given; every rank compares both with its own and raises ``PlanError`` at
-    once. The store's host (trainer rank 0) waits, within ``timeout``, until every rank
-    that will come has read, so no rank loses the store before it learns why."""
+    once. A rank of the other job that was refused for its token says so in the store:
+    then every rank waiting here raises ``AuthError`` at once. The store's host (trainer
+    rank 0) waits, within ``timeout``, until every rank that will come has read, so no
+    rank loses the store before it learns why."""
     if side_rank == 0:
         store.set(f"reshard/setup/{side}", pickle.dumps(mine))
     keys = [f"reshard/setup/{s}" for s in SIDES]
     try:
-        store.wait(keys, timeout)
-    except RuntimeError as e:  # the other job never came: say so if the gate refused it
+        _wait_for_setup(store, keys, side, timeout)
+    except (RuntimeError, AuthError) as e:  # the other job never came, or said why not
         refused = refusals(store)
         if side == "trainer":
-            _leave_together(store, side_rank, mine[0], timeout)
+            told = isinstance(e, AuthError)
+            _leave_together(store, side_rank, mine[:2], told, timeout)
+        if isinstance(e, AuthError):
+            raise
         if refused:
             raise AuthError(f"the two jobs did not meet within {timeout.total_seconds():.0f}"
                             f" s{refused}; nothing was moved") from e
@@ -215,15 +221,48 @@ def _agree_on_sizes(store, side: str, side_rank: int, mine: tuple[int, int, str]
                     + "; nothing was moved")
 
 
-def _leave_together(store, side_rank: int, trainer_size: int, timeout: timedelta) -> None:
+def _wait_for_setup(store, keys: list[str], side: str, timeout: timedelta) -> None:
+    """``store.wait(keys, timeout)``, looking every ``_POLL_S`` for a token notice: a rank
+    of the other job said it was refused for its token (``AuthError`` at once)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        said = token_notice(store)
+        if said is not None:
+            raise AuthError(_told(said, side))
+        if time.monotonic() + _POLL_S >= deadline:  # torch's own error at the deadline
+            store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            return
+        time.sleep(_POLL_S)
+
+
+_TOLD = {"none": "holds no token while this job holds one",
+         "other": "holds a different token from this job's",
+         "extra": "holds a token while this job holds none"}
+
+
+def _told(said: str, side: str) -> str:
+    """The error a waiting rank raises when the other job said why its rank left."""
+    other = SIDES[1 - SIDES.index(side)]
+    how = ("this job's gate refused its ranks" if said != "extra"
+           else "its ranks do not join a store without a gate")
+    return (f"the {other} job {_TOLD[said]} (${TOKEN_ENV} or token=): {how}; give both "
+            "jobs the same token; nothing was moved")
+
+
+def _leave_together(store, side_rank: int, sizes: tuple[int, int], told: bool,
+                    timeout: timedelta) -> None:
     """The trainer's ranks gave up waiting: the host keeps the store up (a few seconds
-    at most) until each has read why, then all leave."""
+    at most) until each has read why, and, ``told`` by the other job's ranks why they
+    left, until each of them has said so (so that none, coming later, finds nobody to
+    tell it by name), then all leave."""
     with suppress(Exception):
         store.add("reshard/setup/gave_up", 1)
         if side_rank == 0:
             deadline = time.monotonic() + min(timeout.total_seconds(), 10.0)
-            while (store.add("reshard/setup/gave_up", 0) < trainer_size
-                   and time.monotonic() < deadline):
+            while (store.add("reshard/setup/gave_up", 0) < sizes[0]
+                   or told and token_notices(store) < sizes[1]):
+                if time.monotonic() > deadline:
+                    return
                 time.sleep(0.02)
 
 
