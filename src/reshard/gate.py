@@ -375,6 +375,10 @@ class Relay(_Door):
                 continue
             if sock.getsockname() == sock.getpeername():  # a dial that met itself: no one
                 sock.close()
+                if left <= 0:
+                    raise AuthError(f"no store answered at {self.where} within "
+                                    f"{self.timeout:.0f} s; nothing was moved")
+                time.sleep(min(0.05, left))
                 continue
             try:
                 self._heard(sock, SILENCE_S + 2 * (time.monotonic() - start))
