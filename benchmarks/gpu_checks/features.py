@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -37,16 +38,25 @@ def _takes(path: str, *params: str) -> bool:
     return obj is not None and set(params) <= set(inspect.signature(obj).parameters)
 
 
+def _takes_only_self(path: str) -> bool:
+    """Whether the pybind method at ``path`` exists and takes no argument but ``self``
+    (read from its docstring's signature line: pybind methods have no ``inspect``
+    signature)."""
+    first = (getattr(_lookup(path), "__doc__", None) or "").split("\n", 1)[0]
+    match = re.match(r"\w+\((.*)\) ->", first)
+    return match is not None and "," not in match.group(1)
+
+
 #: (feature, what in reshard uses it, probe)
 FEATURES: tuple[tuple[str, str, Callable[[], bool]], ...] = (
     ("torch.distributed", "every executor", dist.is_available),
     ("NCCL built in", "NCCL groups", lambda: dist.is_available() and dist.is_nccl_available()),
     ("P2POp(group_peer=)", "Comm.exchange on a registered NCCL group",
      lambda: _takes("torch.distributed:P2POp", "group_peer")),
-    ("ProcessGroupNCCL._start_coalescing/_end_coalescing",
+    ("ProcessGroupNCCL._start_coalescing()/_end_coalescing() (no device argument)",
      "Comm.exchange on a stateless NCCL group",
-     lambda: all(map(_has, ("torch.distributed:ProcessGroupNCCL._start_coalescing",
-                            "torch.distributed:ProcessGroupNCCL._end_coalescing")))),
+     lambda: all(map(_takes_only_self, ("torch.distributed:ProcessGroupNCCL._start_coalescing",
+                                        "torch.distributed:ProcessGroupNCCL._end_coalescing")))),
     ("ProcessGroupGloo", "stateless gloo groups (Comm.from_store)",
      lambda: _has("torch.distributed:ProcessGroupGloo")),
     ("DTensor.from_local(shape=, stride=)", "reshard.tools.bench, reshard.dtensor",

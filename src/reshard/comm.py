@@ -111,16 +111,17 @@ class Comm:
             return dist.batch_isend_irecv(ops) if ops else []
         if self.backend == "nccl" and (sends or recvs):  # a stateless NCCL group
             # one NCCL group call, as batch_isend_irecv makes: posted one by one, a pair
-            # exchanging both ways would wait on each other on their shared stream
-            device = (recvs or sends)[0][0].device
-            self.pg._start_coalescing(device)
+            # exchanging both ways would wait on each other on their shared stream. The
+            # group is a ProcessGroupNCCL backend, whose coalescing takes no device
+            # (a ProcessGroup's does)
+            self.pg._start_coalescing()
             try:
                 for t, p in recvs:
                     self.pg.recv([t], p, tag)
                 for t, p in sends:
                     self.pg.send([t], p, tag)
             finally:
-                work = self.pg._end_coalescing(device)
+                work = self.pg._end_coalescing()
             return [work]
         # gloo: straight to the process group; batch_isend_irecv would only loop over
         # the same calls, through a Python layer per message

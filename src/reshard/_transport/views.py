@@ -21,7 +21,7 @@ import torch
 from reshard.layout import box_slices
 from reshard.schedule import DEST, Hop
 
-__all__ = ["RegionViews", "flat_bytes"]
+__all__ = ["RegionViews", "copy_regions", "flat_bytes"]
 
 _MISSING = object()
 
@@ -157,3 +157,44 @@ def flat_bytes(view: torch.Tensor) -> torch.Tensor:
     if flat.numel() and flat.stride(0) != 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+def copy_regions(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source region into its destination (disjoint regions, any order).
+
+    On a GPU a region of a few MiB copies in microseconds, less than one ``copy_`` call
+    costs from Python, so a message's regions go in one ``_foreach_copy_`` per dtype pair
+    (contiguous ones in a few kernel launches, the others in one C++ loop). A pair of
+    the same dtype is copied as 8-byte words where its geometry allows: a strided copy
+    of 2-byte elements moves a fraction of the bandwidth of one of 8-byte words, and the
+    bits are the same. No autograd: these are transport copies."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dsts, srcs):
+        if d.dtype == s.dtype:
+            wide_d, wide_s = _words(d), _words(s)
+            if wide_d is not None and wide_s is not None:
+                d, s = wide_d, wide_s
+        group = groups.setdefault((d.dtype, s.dtype, d.device, s.device), ([], []))
+        group[0].append(d)
+        group[1].append(s)
+    with torch.no_grad():
+        for ds, ss in groups.values():
+            if len(ds) == 1:
+                ds[0].copy_(ss[0])
+            else:
+                torch._foreach_copy_(ds, ss)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as int64 words when its memory allows (innermost dim contiguous,
+    every stride, the size of that dim and the start a whole number of words), else
+    None."""
+    ratio = 8 // t.element_size() if t.element_size() < 8 else 0
+    if (not ratio or t.dim() == 0 or t.stride(-1) != 1 or t.shape[-1] % ratio
+            or t.storage_offset() % ratio or t.data_ptr() % 8
+            or any(st % ratio for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)):
+        return None
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
