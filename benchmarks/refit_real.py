@@ -375,7 +375,7 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
     import torch
 
     from reshard.integrations import hf
-    from reshard.integrations.vllm_internals import (
+    from reshard.integrations.vllm.memory import (
         reset_peak_rss,
         return_freed_memory,
         rss_bytes,

@@ -25,14 +25,12 @@ import torch
 
 from refit_real import nbytes, packed_buckets
 from reshard.integrations.vllm import ReshardWorkerExtension
-from reshard.integrations.vllm_internals import (
+from reshard.integrations.vllm.internals import (
     has_own_lm_head,
     logical_params,
     reset_moe_kernels,
-    reset_peak_rss,
-    return_freed_memory,
-    rss_bytes,
 )
+from reshard.integrations.vllm.memory import reset_peak_rss, return_freed_memory, rss_bytes
 
 
 def _crc(t: torch.Tensor) -> int:

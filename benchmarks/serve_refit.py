@@ -56,7 +56,7 @@ def trainer(a: argparse.Namespace) -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard.integrations import hf
-    from reshard.integrations.vllm_trainer import ReshardTrainerInitInfo
+    from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.dist_port))

@@ -50,7 +50,7 @@ DEFAULT_REFIT_BUDGET_BYTES = 64 << 20
 DEFAULT_REFIT_STAGING_BYTES = 8 << 20
 
 #: The freed heap a refit's commit on vLLM CPU may keep resident before it hands it back
-#: to the system (``malloc_trim``; :class:`reshard.integrations.vllm_internals.HeapBound`),
+#: to the system (``malloc_trim``; :class:`reshard.integrations.vllm.memory.HeapBound`),
 #: and with it about the most a commit's peak rises above the buffers. Pages handed back
 #: are faulted in again by the next packed copies, which a host pays for: on this 2-core
 #: VM 512 MB of first touches cost about 0.2 s against 0.03 s to rewrite them. ``None``

@@ -32,7 +32,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from reshard.errors import TransferError
 from reshard.integrations import hf
-from reshard.integrations.vllm_trainer import ReshardTrainerInitInfo
+from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
 
 
 class Dying(dict):

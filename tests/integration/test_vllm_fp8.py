@@ -53,8 +53,8 @@ from test_vllm_families import close, engine, refit_steps  # noqa: E402
 from test_vllm_refit import generate  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
-from reshard.integrations.vllm_fp8 import fp8_state  # noqa: E402
-from reshard.integrations.vllm_mapping import hf_to_vllm  # noqa: E402
+from reshard.integrations.vllm.fp8 import fp8_state  # noqa: E402
+from reshard.integrations.vllm.mapping import hf_to_vllm  # noqa: E402
 
 TP, STEPS, DTYPE = 2, 2, "bfloat16"
 #: every TP2 split on whole 128 x 128 blocks (q, k, v 128 rows a rank, MLP 256)
@@ -82,7 +82,7 @@ def test_fsdp2_trainer_refits_an_fp8_engine_like_a_fresh_one(checkpoints, tmp_pa
                                                              monkeypatch):
     bf16, fp8_dir = checkpoints
     # FP8 block refits are refused without the opt-in until this test has passed on a host
-    # with AMX (vllm_mapping.check_family); the engine's workers inherit it
+    # with AMX (vllm.mapping.check_family); the engine's workers inherit it
     monkeypatch.setenv("RESHARD_UNCHECKED_FAMILIES", "1")
     records, trainer = refit_steps(bf16, tmp_path, "fsdp", DTYPE, TP, STEPS,
                                    engine_dir=fp8_dir, reference=_fp8_reference)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.integrations.vllm_mapping import (
+from reshard.integrations.vllm.mapping import (
     UNCHECKED_FAMILIES_ENV,
     MappingError,
     check_family,

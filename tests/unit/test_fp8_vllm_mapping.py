@@ -25,7 +25,7 @@ import reshard as R
 from reshard import planner
 from reshard.errors import Fp8BlockError, MappingError
 from reshard.integrations.megatron import Coords, hf_entries
-from reshard.integrations.vllm_mapping import check_family, hf_to_vllm
+from reshard.integrations.vllm.mapping import check_family, hf_to_vllm
 from reshard.local import execute_local
 from reshard.quant import BlockFormat, quantize_reference, quantize_shards
 from reshard.quant.targets import plan_fp8_refit, scale_name

@@ -43,7 +43,7 @@ import torch
 import reshard as R
 from reshard.errors import Fp8BlockError
 from reshard.integrations.megatron import Coords, hf_entries
-from reshard.integrations.vllm_mapping import check_family, hf_to_vllm
+from reshard.integrations.vllm.mapping import check_family, hf_to_vllm
 
 from .test_fp8_vllm_mapping import (
     QUANT,

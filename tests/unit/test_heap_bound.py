@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.integrations import vllm_internals
+from reshard.integrations.vllm import memory as vllm_memory
 
 
 @pytest.fixture
@@ -21,13 +21,13 @@ def memory(monkeypatch):
         state["rss"] -= state["freed"]
         state["freed"] = 0
 
-    monkeypatch.setattr(vllm_internals, "rss_bytes", lambda field="VmRSS": state["rss"])
-    monkeypatch.setattr(vllm_internals, "return_freed_memory", trim)
+    monkeypatch.setattr(vllm_memory, "rss_bytes", lambda field="VmRSS": state["rss"])
+    monkeypatch.setattr(vllm_memory, "return_freed_memory", trim)
     return state
 
 
 def test_no_trim_while_the_growth_is_within_the_slack(memory):
-    heap = vllm_internals.HeapBound(slack=32 << 20)
+    heap = vllm_memory.HeapBound(slack=32 << 20)
     for _ in range(4):  # four modules of 8 MB whose old copies stay resident
         memory["rss"] += 8 << 20
         memory["freed"] += 8 << 20
@@ -37,7 +37,7 @@ def test_no_trim_while_the_growth_is_within_the_slack(memory):
 
 def test_trims_once_the_slack_is_spent_and_the_growth_stays_bounded(memory):
     start = memory["rss"]
-    heap = vllm_internals.HeapBound(slack=32 << 20)
+    heap = vllm_memory.HeapBound(slack=32 << 20)
     peak = start
     for _ in range(30):  # each module's new copy faults in; its old one stays resident
         heap.check()
@@ -53,7 +53,7 @@ def test_trims_once_the_slack_is_spent_and_the_growth_stays_bounded(memory):
 
 def test_growth_is_measured_from_where_the_commit_began(memory):
     memory["rss"] += 500 << 20  # the received buffers, before the commit
-    heap = vllm_internals.HeapBound(slack=32 << 20)
+    heap = vllm_memory.HeapBound(slack=32 << 20)
     heap.check()
     assert heap.trims == 0
     memory["rss"] += 33 << 20
@@ -68,7 +68,7 @@ def test_a_large_copy_freed_is_handed_back_before_its_successor_is_made(memory):
     peaks = {}
     for room in (False, True):
         memory.update(rss=start, freed=0)
-        heap = vllm_internals.HeapBound(slack=8 << 20)
+        heap = vllm_memory.HeapBound(slack=8 << 20)
         peak = start
         for _ in range(6):  # a 27 MB packed copy: freed (pages kept), then made again
             memory["freed"] += 27 << 20
@@ -80,7 +80,7 @@ def test_a_large_copy_freed_is_handed_back_before_its_successor_is_made(memory):
         peaks[room] = peak - start
     assert peaks[False] >= 27 << 20
     assert peaks[True] == 0
-    heap = vllm_internals.HeapBound(slack=8 << 20)
+    heap = vllm_memory.HeapBound(slack=8 << 20)
     heap.make_room(4 << 20)  # a small copy: left to check()
     assert heap.trims == 0
 
@@ -88,7 +88,7 @@ def test_a_large_copy_freed_is_handed_back_before_its_successor_is_made(memory):
 def test_no_slack_keeps_every_freed_page(memory):
     """``slack=None`` (``heap_slack_bytes=None``): never a trim, whatever the growth or
     the size of a copy, so the next copies reuse the freed pages instead of faulting."""
-    heap = vllm_internals.HeapBound(slack=None)
+    heap = vllm_memory.HeapBound(slack=None)
     for _ in range(10):
         memory["freed"] += 64 << 20
         heap.make_room(64 << 20)
@@ -100,7 +100,7 @@ def test_no_slack_keeps_every_freed_page(memory):
 @pytest.mark.parametrize("bad", [-1, 1.5, "8MiB", True])
 def test_a_bad_heap_slack_is_refused_by_name(bad):
     from reshard.errors import ConfigError
-    from reshard.integrations.vllm_state import check_heap_slack
+    from reshard.integrations.vllm.state import check_heap_slack
 
     with pytest.raises(ConfigError, match="heap_slack_bytes"):
         check_heap_slack(bad)
@@ -112,7 +112,7 @@ def test_the_weight_transfer_protocol_refuses_a_bad_heap_slack_at_the_engine_cor
     core checks each call (the plugin), before any worker sees it."""
     pytest.importorskip("vllm")
     from reshard.errors import ConfigError
-    from reshard.integrations.vllm_worker import ReshardInitInfo, parse_fields
+    from reshard.integrations.vllm.worker import ReshardInitInfo, parse_fields
 
     fields = {"master_address": "127.0.0.1", "master_port": 1, "trainer_size": 2}
     with pytest.raises(ConfigError, match=r"^init_weight_transfer_engine: heap_slack_bytes"

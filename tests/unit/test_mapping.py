@@ -6,14 +6,16 @@ RowParallelLinear, VocabParallelEmbedding, FusedMoE w13/w2), not through the map
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import reshard as R
-import reshard.integrations.vllm_mapping
-from reshard.integrations.vllm_mapping import MappingError, hf_to_vllm, padded_vocab
+import reshard.integrations.vllm.mapping
+from reshard.integrations.vllm.mapping import MappingError, hf_to_vllm, padded_vocab
 from reshard.sim.models import model_from_config
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
@@ -203,7 +205,7 @@ def test_layouts_kinds() -> None:
     assert [emb.local_shape(r) for r in range(4)] == [(48, 32)] * 4
     assert [sum(p.numel for p in emb.view(r).pieces) // 32 for r in range(4)] == [48, 48, 34, 0]
     slots = m.slots(3)
-    assert slots["model.layers.0.self_attn.v_proj.bias"] == reshard.integrations.vllm_mapping.Slot(
+    assert slots["model.layers.0.self_attn.v_proj.bias"] == reshard.integrations.vllm.mapping.Slot(
         "model.layers.0.self_attn.qkv_proj.bias", rows=(16, 24))  # [q 8 | k 8 | v 8]
     assert slots["model.layers.0.mlp.up_proj.weight"].rows == (12, 24)
 
@@ -249,16 +251,26 @@ def test_model_spec_and_transformers5_config_keys() -> None:
 
 
 def test_mapping_module_imports_no_vllm_or_transformers() -> None:
-    for module in (reshard.integrations.vllm_mapping, reshard.integrations.vllm_rules):
+    for module in (reshard.integrations.vllm.mapping, reshard.integrations.vllm.rules):
         source = Path(module.__file__).read_text()
         for mod in ("vllm", "transformers"):
             assert f"import {mod}" not in source and f"from {mod}" not in source, module
 
 
+def test_mapping_loads_no_vllm_through_its_package():
+    """The package's door loads its names on first use: the pure mapping modules beneath
+    it load no vLLM (nor does the plugin's module, which vLLM imports in every process)."""
+    code = ("import sys, reshard.integrations.vllm.mapping, reshard.integrations.vllm.plugin; "
+            "print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False"]
+
+
 def test_unmapped_tensors_are_named_on_each_side():
     """An architecture the rules do not know: the first trainer tensor no rule maps and
     the first vLLM parameter no trainer tensor reaches, both named."""
-    from reshard.integrations.vllm_mapping import unmapped_sides
+    from reshard.integrations.vllm.mapping import unmapped_sides
 
     mapping = hf_to_vllm(QWEN3, 2)
     names = {n: t.shape for n, t in mapping.tensors.items()}

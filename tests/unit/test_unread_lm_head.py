@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.integrations.vllm_internals import unread_lm_head_weight
+from reshard.integrations.vllm.kernels import unread_lm_head_weight
 
 from ._cpu_gemm import packs_a_copy
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from reshard.errors import ReshardError
-from reshard.integrations import vllm_plugin as plugin
-from reshard.integrations.vllm_state import require_plugin
+from reshard.integrations.vllm import plugin
+from reshard.integrations.vllm.state import require_plugin
 
 
 def test_committing_calls():
@@ -175,7 +175,7 @@ def test_the_package_declares_the_entry_point():
     from importlib.metadata import entry_points
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get(plugin.PLUGIN_NAME) == "reshard.integrations.vllm_plugin:load"
+    assert eps.get(plugin.PLUGIN_NAME) == "reshard.integrations.vllm.plugin:load"
 
 
 class _Client:
@@ -213,7 +213,7 @@ class _Client:
 def test_a_round_the_engine_refuses_to_begin_is_closed(overlap, fail, calls):
     from concurrent.futures import ThreadPoolExecutor
 
-    from reshard.integrations.vllm_trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
+    from reshard.integrations.vllm.trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
 
     info = ReshardTrainerInitInfo("h", 1, trainer_size=2, inference_size=2, rank=0,
                                   overlap=overlap)
@@ -225,7 +225,7 @@ def test_a_round_the_engine_refuses_to_begin_is_closed(overlap, fail, calls):
 
 
 def test_trainer_init_info_refuses_what_cannot_work():
-    from reshard.integrations.vllm_trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
+    from reshard.integrations.vllm.trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
 
     with pytest.raises(ReshardError, match="overlap=True cannot run with staging='none'"):
         ReshardTrainerInitInfo("h", 1, 2, 2, rank=0, staging="none").check()

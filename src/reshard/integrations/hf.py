@@ -262,14 +262,14 @@ def save_fp8_checkpoint(model_dir: str | Path, state: Mapping[str, torch.Tensor]
     """``state`` (full, in checkpoint names) saved as an FP8 block checkpoint of
     ``model_dir``'s model in ``out``, as DeepSeek-V3 and Qwen3 FP8 checkpoints are laid
     out: the linear weights in float8_e4m3fn with their float32 ``weight_scale_inv``
-    (the reference quantizer, :func:`reshard.integrations.vllm_fp8.fp8_state`), the rest
+    (the reference quantizer, :func:`reshard.integrations.vllm.fp8.fp8_state`), the rest
     in float32, and ``quantization_config`` in ``config.json``: what a fresh FP8 engine
     of one step loads."""
     import json
 
     from safetensors.torch import save_file
 
-    from reshard.integrations.vllm_fp8 import FP8_BLOCK_CONFIG, fp8_state
+    from reshard.integrations.vllm.fp8 import FP8_BLOCK_CONFIG, fp8_state
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

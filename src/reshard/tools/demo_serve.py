@@ -48,7 +48,7 @@ def _trainer(rank: int, world: int, model_dir: str, url: str, port: int, out_dir
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from reshard.integrations import hf
-    from reshard.integrations.vllm_trainer import ReshardTrainerInitInfo
+    from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # two ranks beside the server's two, on a small host

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from reshard.errors import Fp8BlockError, MappingError
-from reshard.integrations.vllm_rules import Slot
+from reshard.integrations.vllm.rules import Slot
 from reshard.layout import Layout
 from reshard.quant.blocks import BlockFormat, check_engine_split, grid_shape, scale_layout
 from reshard.quant.targets import FP8, FP8_WEIGHTS, scale_name

@@ -9,7 +9,7 @@ template) is answered from KV of the previous version. The cache lives in the en
 core's scheduler, which no worker can reach; this plugin runs in the engine core.
 
 vLLM loads it in every one of its processes (entry point ``vllm.general_plugins``,
-``reshard = "reshard.integrations.vllm_plugin:load"``, installed with the package).
+``reshard = "reshard.integrations.vllm.plugin:load"``, installed with the package).
 There it wraps ``EngineCore.collective_rpc``, the one door of every worker call (offline
 ``LLM``, ``LLMEngine``, ``AsyncLLM`` / ``vllm serve``, Ray actors holding an ``LLM``):
 when a call committed new weights -- ``reshard_refit`` with a committed result, or
@@ -26,7 +26,7 @@ engine core, before it schedules anything else:
   trainer step, for ``reshard_refit`` (``finish_weight_update`` takes it from the caller).
 
 While any worker call runs, the engine core waits for the workers' replies asleep instead
-of spinning (:func:`reshard.integrations.vllm_internals.replies_asleep`): vLLM's reader
+of spinning (:func:`reshard.integrations.vllm.internals.replies_asleep`): vLLM's reader
 spins for its first second, a busy process beside the workers and the trainer ranks a
 refit needs (measured with a 3 s worker call on an idle host: 0.99 s of the engine
 core's CPU without, none with it). It looks at the reply queues every 10 ms all the
@@ -37,7 +37,7 @@ at vLLM's 5 s recheck (every served refit's finish stalled 5 s that way).
 Cost: the next requests recompute their prefixes once (a cold cache); nothing else.
 The worker extension refuses to meet a trainer in an engine where this plugin is not
 loaded (``VLLM_PLUGINS`` set without ``reshard``): see
-:func:`reshard.integrations.vllm_state.require_plugin`.
+:func:`reshard.integrations.vllm.state.require_plugin`.
 
 It also keeps vLLM's weight-transfer protocol (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the HTTP routes
@@ -48,7 +48,7 @@ before start, two starts), an unknown field or a background update where the sta
 cannot overlap. A worker that raised would leave vLLM 0.32's executor reading the next
 call's replies as this one's; a refused call reaches no worker, and the engine goes on
 serving as it was. With the ``reshard`` backend the workers never raise: the engine core
-asks them how the call went (:func:`reshard.integrations.vllm_worker.outcome`) and
+asks them how the call went (:func:`reshard.integrations.vllm.worker.outcome`) and
 raises there, naming the ranks and the cause. And it registers the ``reshard`` backend
 in vLLM's weight-transfer registries (worker and trainer side) in every process.
 """
@@ -122,7 +122,7 @@ class ProtocolGuard:
 
     def check(self, method: str, kwargs: dict[str, Any]) -> None:
         from reshard.errors import ConfigError
-        from reshard.integrations import vllm_worker as w
+        from reshard.integrations.vllm import worker as w
 
         if method == "init_weight_transfer_engine" or method == "shutdown_weight_transfer_engine":
             if self.active:
@@ -178,7 +178,7 @@ def _reshard_call(core: Any, original: Any, method: str, timeout: float | None,
     """A protocol call to the ``reshard`` backend: the workers never raise; their
     outcome decides, here, whether the call failed."""
     from reshard.errors import TransferError
-    from reshard.integrations.vllm_worker import failures, outcome
+    from reshard.integrations.vllm.worker import failures, outcome
 
     results = original(core, method, timeout, args, kwargs)
     if method not in ("init_weight_transfer_engine", "finish_weight_update"):
@@ -200,7 +200,7 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None,
                        args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
-        from reshard.integrations.vllm_internals import replies_asleep
+        from reshard.integrations.vllm.internals import replies_asleep
 
         with replies_asleep(getattr(self, "model_executor", None)):
             return _call(self, method, timeout, args, kwargs)
@@ -245,9 +245,9 @@ def _register_backends() -> None:
     )
 
     for factory, module, cls in (
-            (WeightTransferEngineFactory, "reshard.integrations.vllm_worker",
+            (WeightTransferEngineFactory, "reshard.integrations.vllm.worker",
              "ReshardWeightTransferEngine"),
-            (WeightTransferTrainerFactory, "reshard.integrations.vllm_trainer",
+            (WeightTransferTrainerFactory, "reshard.integrations.vllm.trainer",
              "ReshardTrainerEngine")):
         with contextlib.suppress(ValueError):  # already registered in this process
             factory.register_engine(PLUGIN_NAME, module, cls)

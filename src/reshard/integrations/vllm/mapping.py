@@ -23,7 +23,7 @@ exactly what vLLM's own weight loaders make of the full checkpoint on that rank,
 :attr:`VllmMapping.layouts` receives only its own bytes, fused parameters included.
 
 The mapping is a table of ``(regex, rule)`` pairs (:data:`RULES`); the table and the
-families it covers are in :mod:`reshard.integrations.vllm_rules`, where a new family or
+families it covers are in :mod:`reshard.integrations.vllm.rules`, where a new family or
 tensor kind is one more row.
 
 Names and shapes are not the whole story: a family can fill every vLLM parameter and
@@ -46,8 +46,8 @@ from math import prod
 from typing import Any
 
 from reshard.errors import MappingError
-from reshard.integrations.vllm_fp8 import fp8_format, fp8_scale_entry, is_fp8_block
-from reshard.integrations.vllm_rules import (
+from reshard.integrations.vllm.fp8 import fp8_format, fp8_scale_entry, is_fp8_block
+from reshard.integrations.vllm.rules import (
     CONVERSIONS,
     MOE_BLOCKS,
     RULES,
@@ -82,7 +82,7 @@ UNCHECKED_FAMILIES_ENV = "RESHARD_UNCHECKED_FAMILIES"
 #: Config fields under which vLLM's loader makes something else of the checkpoint than
 #: the rules model, whatever the family (field -> why): refused even with the opt-in.
 #: One value is modelled: an FP8 block ``quantization_config``
-#: (:mod:`reshard.integrations.vllm_fp8`).
+#: (:mod:`reshard.integrations.vllm.fp8`).
 UNMODELLED_CONFIG_FIELDS = {
     "quantization_config": "a quantized checkpoint other than FP8 blocks: vLLM's loader "
                            "keeps quantized weights and scales the rules do not model",
@@ -352,7 +352,7 @@ def _apply(rules: Sequence[tuple[re.Pattern[str], Rule]], name: str, shape: tupl
         if m:
             return rule(m, shape, ctx)
     raise MappingError(f"no rule maps the Hugging Face tensor {name!r} (shape {list(shape)}) "
-                       "to vLLM; add one to reshard.integrations.vllm_mapping.RULES")
+                       "to vLLM; add one to reshard.integrations.vllm.mapping.RULES")
 
 
 def _check_filled(tensors: Mapping[str, MappedTensor],

@@ -3,7 +3,7 @@ worker by ``LLM(worker_extension_cls=...)``, its ``reshard_*`` methods reached t
 ``collective_rpc``) and :class:`ReshardWeightTransferEngine`, the ``"reshard"`` backend
 of vLLM's weight-transfer protocol, registered in ``WeightTransferEngineFactory`` when
 this module is imported. Both drive one :class:`ReshardState` per rank
-(:mod:`reshard.integrations.vllm_state`). No ``reshard_*`` method raises into vLLM
+(:mod:`reshard.integrations.vllm.state`). No ``reshard_*`` method raises into vLLM
 (:func:`_reported`); :func:`collective` turns a failed worker's reply back into an
 exception in the caller.
 """
@@ -23,7 +23,7 @@ import torch
 
 from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, ReshardError
-from reshard.integrations.vllm_state import ReshardState, check_heap_slack
+from reshard.integrations.vllm.state import ReshardState, check_heap_slack
 
 __all__ = [
     "BACKEND", "ReshardInitInfo", "ReshardUpdateInfo", "ReshardWeightTransferEngine",
@@ -201,7 +201,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     hf_tensors: dict[str, list[int]] | None = None
     timeout_s: float = 120.0
     #: refit a model family whose refit was never checked end to end (see
-    #: ``reshard.integrations.vllm_mapping.check_family``)
+    #: ``reshard.integrations.vllm.mapping.check_family``)
     unchecked_family_ok: bool = False
     #: the meeting's token (else the workers' ``$RESHARD_TOKEN``); never in the repr
     token: str | None = field(default=None, repr=False)

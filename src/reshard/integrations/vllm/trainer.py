@@ -7,7 +7,7 @@ trainer rank sends its own shards::
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from reshard.integrations.vllm_trainer import ReshardTrainerInitInfo
+    from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
 
     engine = WeightTransferTrainerFactory.trainer_init(      # on every trainer rank
         ReshardTrainerInitInfo("10.0.0.1", 29600, trainer_size=2, inference_size=2,
@@ -67,7 +67,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, TransferError
-from reshard.integrations.vllm_state import check_heap_slack
+from reshard.integrations.vllm.state import check_heap_slack
 
 __all__ = ["IN_FLIGHT", "ReshardTrainerEngine", "ReshardTrainerInitInfo", "register"]
 

@@ -1,5 +1,5 @@
 """The rules of the Hugging Face -> vLLM mapping
-(:mod:`reshard.integrations.vllm_mapping`): for one Hugging Face tensor, its
+(:mod:`reshard.integrations.vllm.mapping`): for one Hugging Face tensor, its
 :class:`Slot` in a rank's logical vLLM tensor, its layout over the inference ranks and
 that logical tensor's per-rank shape, each rule reading the config's sizes from a
 :class:`RuleContext`.

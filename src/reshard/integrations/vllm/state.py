@@ -2,13 +2,13 @@
 trainer's tensors, where each parameter is written, the logical buffers, the receiver,
 the commit, what it costs in memory, and the check against vLLM's own loaders. The
 worker extension and the weight-transfer backend
-(:mod:`reshard.integrations.vllm_worker`) both drive it.
+(:mod:`reshard.integrations.vllm.worker`) both drive it.
 
 How a refit lands on one rank:
 
 1. At init, vLLM's per-rank *logical* (checkpoint-format) parameter shapes are read from
    the metadata vLLM records for layerwise reloading (``LAYERWISE_INFO``), and
-   :func:`reshard.integrations.vllm_mapping.hf_to_vllm` maps every Hugging Face tensor
+   :func:`reshard.integrations.vllm.mapping.hf_to_vllm` maps every Hugging Face tensor
    to a slot of a logical tensor and a layout. Then, per parameter, the cheapest way in
    (:func:`kept_live`, from what vLLM holds now; ``reshard_info`` lists both kinds):
 
@@ -20,32 +20,16 @@ How a refit lands on one rank:
      buffer per parameter, committed through vLLM's layerwise reload; except an LM
      head of its own on vLLM CPU, received into its weight, which vLLM keeps after
      packing and never reads (``own_storage`` in ``reshard_info``; see
-     :func:`~reshard.integrations.vllm_internals.unread_lm_head_weight`).
+     :func:`~reshard.integrations.vllm.kernels.unread_lm_head_weight`).
 2. ``RefitReceiver.refit()`` writes the buffers directly (they are the staging of what
    they hold: nothing reaches the live model before the commit) and the in-place
    targets through a shadow of just those targets with ``staging="shadow"``, straight
    into the live weights with ``staging="none"``; it returns only once every rank of
    both jobs has its part, and then copies the shadow over the live weights.
-3. Commit of the buffered parameters. vLLM CPU's packed GEMMs (unquantized linear
-   layers and LM heads: most of the bytes) are processed in place: each module is lent
-   its buffer and reruns vLLM's own ``process_weights_after_loading`` (the GEMM
-   packing; the old packed copy is dropped first), then gets its own parameters back,
-   one module at a time (``vllm_internals.process_in_place``); an embedding beside an
-   LM head of its own is written in place and its packed GEMM copy, which nothing
-   reads, is not remade. vLLM CPU's unquantized MoE experts are prepacked by vLLM's own
-   kernel straight from their buffers into the live expert weights (padded first where
-   the kernel pads; ``vllm_internals.prepack_experts``): nothing of the layer is
-   replaced, and no second copy of the experts exists. The rest goes through vLLM's
-   layerwise reload:
-   ``initialize_layerwise_reload`` puts each layer back in checkpoint format (on the
-   meta device); each logical buffer is copied whole into its parameter through the
-   layer's deferred loader; when a layer is complete vLLM materializes it, reruns
-   ``process_weights_after_loading`` (CPU GEMM packing, MoE pad + prepack) and copies
-   the result into the original kernel tensors; layers written in place are put back as
-   they are; ``finalize_layerwise_reload`` finishes. CPU MoE work-around, for the
-   experts that go this way (zentorch's, or with biases): vLLM 0.32 reruns the CPU
-   experts' pad + prepack only on a first load (``quant_method.moe_kernel is None``), so
-   that attribute is reset, on the modules reloaded, before every commit.
+3. The commit of the buffered parameters (:mod:`reshard.integrations.vllm.commit`):
+   vLLM CPU's packed GEMMs processed in place, its MoE experts prepacked in place, the
+   rest through vLLM's layerwise reload; with ``receive(go_live=False)`` the packed GEMMs
+   may be processed beside the serving engine and only handed over at the swap.
 
 Memory per rank beyond the weights: the buffers of repacked parameters, plus with
 ``staging="shadow"`` a copy of what is written in place -- together what the rank
@@ -64,10 +48,7 @@ previous version until a complete refit lands. vLLM 0.32 offers no clean way for
 worker to refuse generation (an exception in the model's forward kills the engine
 core), so a stale engine still serves: the caller must check ``reshard_status``.
 
-Checks (tests, demo): ``reshard_verify(path)`` compares this rank's logical tensors with
-what vLLM's own ``model.load_weights`` makes of the full state dict saved at ``path`` (a
-dry run of layerwise reload that captures each layer before processing and puts the
-live kernel tensors back), bit for bit, plus the parameters vLLM keeps unpacked live.
+Checks (tests, demo): :mod:`reshard.integrations.vllm.verify`.
 """
 
 from __future__ import annotations
@@ -81,33 +62,21 @@ import torch
 
 from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import ConfigError, ReshardError
-from reshard.integrations.vllm_internals import (
-    HeapBound,
+from reshard.integrations.vllm.commit import Commit
+from reshard.integrations.vllm.internals import (
     derived_buffers,
-    direct_experts,
-    direct_modules,
-    has_own_lm_head,
     kept_live,
     logical_params,
-    packed_expert_mismatches,
-    packed_gemm_mismatches,
-    params_held,
-    prepack_experts,
-    process_in_place,
-    quiet_reload,
     refuse_unreloadable,
-    reset_moe_kernels,
-    reset_peak_rss,
-    restore_loaders,
-    return_freed_memory,
-    rss_bytes,
-    snapshot_loaders,
-    stand_in,
-    take_over,
     tied_aliases,
+)
+from reshard.integrations.vllm.kernels import (
+    direct_experts,
+    direct_modules,
+    params_held,
     unread_lm_head_weight,
 )
-from reshard.integrations.vllm_mapping import (
+from reshard.integrations.vllm.mapping import (
     MappingError,
     VllmMapping,
     check_family,
@@ -115,10 +84,12 @@ from reshard.integrations.vllm_mapping import (
     quant_format,
     unmapped_sides,
 )
+from reshard.integrations.vllm.memory import HeapBound, reset_peak_rss, rss_bytes
+from reshard.integrations.vllm.verify import Checks
 
 __all__ = ["ReshardState", "check_heap_slack", "map_or_explain", "require_plugin"]
 
-PLUGIN_MODULE = "reshard.integrations.vllm_plugin"
+PLUGIN_MODULE = "reshard.integrations.vllm.plugin"
 
 
 def require_plugin() -> None:
@@ -144,7 +115,7 @@ def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
     """:func:`hf_to_vllm` of the trainer's tensors, every vLLM parameter filled; or a
     :class:`MappingError` naming the first unmapped tensor on each side, or the family
     when its refit was never checked end to end and the caller did not opt in
-    (:func:`reshard.integrations.vllm_mapping.check_family`)."""
+    (:func:`reshard.integrations.vllm.mapping.check_family`)."""
     check_family(hf_config, unchecked_family_ok)
     try:
         mapping = hf_to_vllm(hf_config, tp, logical_shapes, hf_tensors=hf_tensors,
@@ -160,25 +131,6 @@ def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
     return mapping
 
 
-def _copy_into(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """The loader a commit uses: the buffer already is this rank's logical tensor."""
-    param.data.copy_(loaded_weight)
-
-
-def _converted(how: str, logical: torch.Tensor) -> torch.Tensor:
-    """What vLLM's loader computes from a checkpoint tensor (see ``CONVERSIONS``)."""
-    if how == "neg_exp":  # Mamba: A = -exp(A_log), in float32
-        return -torch.exp(logical.float())
-    raise MappingError(f"unknown conversion {how!r}")
-
-
-def _converting_loader(how: str) -> Any:
-    """The commit's loader for a converted parameter."""
-    def copy_converted(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        param.data.copy_(_converted(how, loaded_weight))
-    return copy_converted
-
-
 def check_heap_slack(value: Any) -> int | None:
     """``heap_slack_bytes`` as given, or a ``ConfigError`` naming it: bytes (an int of 0
     or more), or None."""
@@ -189,9 +141,10 @@ def check_heap_slack(value: Any) -> int | None:
     return value
 
 
-class ReshardState:
+class ReshardState(Commit, Checks):
     """One vLLM rank's side of the refit: mapping, where each parameter is written,
-    logical buffers for the repacked ones, receiver, commit."""
+    logical buffers for the repacked ones, receiver; the commit (:class:`Commit`) and
+    the checks (:class:`Checks`) are mixed in."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
                  inference_size: int, host: str, port: int, trainer_size: int,
@@ -283,7 +236,7 @@ class ReshardState:
 
     def _unread_storage(self, buffered: Sequence[str]) -> dict[str, torch.Tensor]:
         """The buffered parameters received into their own storage, which the engine
-        holds and never reads (``vllm_internals.unread_lm_head_weight``: an LM head of
+        holds and never reads (``kernels.unread_lm_head_weight``: an LM head of
         its own on vLLM CPU, whose logits come from its packed GEMM copy): no buffer is
         made for them. Each is zeroed whole at init, so that its padding rows, which no
         refit writes, are 0 as a new buffer's are."""
@@ -308,7 +261,7 @@ class ReshardState:
 
     def _direct_modules(self) -> dict[str, list[str]]:
         """Module -> its buffered parameters, for the modules a commit processes in place
-        (``vllm_internals.direct_modules``: vLLM CPU's packed GEMMs); a tied tensor only
+        (``kernels.direct_modules``: vLLM CPU's packed GEMMs); a tied tensor only
         where every module holding it keeps it whole (an embedding and its LM head)."""
         derived = {n for _, n in self.derived}
         tied_packed = {n for n in self.aliases if any(
@@ -425,155 +378,6 @@ class ReshardState:
                      "prepare_seconds": self.prepare_seconds}
         return self.last
 
-    @torch.no_grad()
-    def prepare(self) -> float:
-        """After ``receive(go_live=False)``, beside the serving engine (the background
-        thread of an overlapped refit): run vLLM's processing of the packed GEMMs
-        (:attr:`direct`) on stand-ins of their modules -- copies that share nothing
-        the engine reads -- so that :meth:`swap` only hands each module its new packed
-        copy. Costs, until the swap, one more packed copy of those modules (about what
-        the rank received of them). Returns the seconds it took."""
-        from vllm.config import set_current_vllm_config
-
-        t0 = time.perf_counter()
-        self.prepared = {}
-        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
-        with set_current_vllm_config(self.vllm_config):
-            for mname, names in self.direct.items():
-                module = self.model.get_submodule(mname) if mname else self.model
-                if type(module).__name__ in unread:
-                    continue  # written in place at the swap
-                standin = stand_in(module, list(self.own_storage.values()))
-                process_in_place(standin, {self.where[n][1]: self.buffers[n] for n in names})
-                self.prepared[mname] = standin
-                for name in names:  # a tied tensor's other holders pack the new weight too
-                    for alias, attr in self.aliases.get(name, []):
-                        holder = self.model.get_submodule(alias)
-                        if type(holder).__name__ in unread:
-                            continue
-                        other = stand_in(holder)
-                        other._parameters[attr] = standin._parameters[self.where[name][1]]
-                        process_in_place(other, {})
-                        self.prepared[alias] = other
-        self.prepare_seconds = time.perf_counter() - t0
-        return self.prepare_seconds
-
-    def swap(self) -> float:
-        """Make the version received with ``receive(go_live=False)`` live: the shadow of
-        the in-place parameters over them, then :meth:`commit` (with the modules
-        :meth:`prepare` made, only their new packed copies handed over). Runs in the
-        worker's own thread between two forward passes (a worker RPC), never beside one."""
-        t0 = time.perf_counter()
-        self.receiver.go_live()
-        shadow = time.perf_counter() - t0
-        seconds = self.commit()
-        self.last.update(shadow_seconds=shadow, swap_seconds=time.perf_counter() - t0)
-        return seconds
-
-    @torch.no_grad()
-    def commit(self) -> float:
-        """Make the logical buffers live: vLLM CPU's packed GEMMs (linear layers, LM
-        heads) processed in place (:meth:`_commit_direct`), everything else through
-        vLLM's layerwise reload (:meth:`_commit_reload`)."""
-        from vllm.config import set_current_vllm_config
-
-        t0 = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):
-            self._commit_direct()
-            self._commit_reload({n: b for n, b in self.buffers.items()
-                                 if self.where[n][0] not in self.direct
-                                 and self.where[n][0] not in self.experts})
-        return self._committed(t0)
-
-    def _commit_direct(self) -> None:
-        """Each module of :attr:`direct` gets its buffers and reruns vLLM's processing
-        after loading (``vllm_internals.process_in_place``); the other holders of a tied
-        tensor are processed with it, except an embedding beside an LM head of its own,
-        whose packed GEMM copy nothing reads (the embedding lookup reads its weight)."""
-        unread = ("VocabParallelEmbedding",) if has_own_lm_head(self.model) else ()
-        prepared, self.prepared = self.prepared, {}
-        written: set[int] = set()  # storages a hand-over wrote (a tied weight: once)
-        heap = self._heap = HeapBound(self.heap_slack_bytes)
-        for mname, names in self.direct.items():
-            heap.check()
-            module = self.model.get_submodule(mname) if mname else self.model
-            logical = {self.where[n][1]: self.buffers[n] for n in names}
-            if mname in prepared:  # processed beside the engine: hand it over
-                take_over(module, prepared[mname], written)
-            elif type(module).__name__ in unread:
-                for attr, tensor in logical.items():  # read as loaded: in place is all
-                    getattr(module, attr).data.copy_(tensor)
-            else:
-                process_in_place(module, logical, heap)
-            for name in names:
-                for alias, _ in self.aliases.get(name, []):
-                    holder = self.model.get_submodule(alias)
-                    if alias in prepared:
-                        take_over(holder, prepared[alias], written)
-                    elif type(holder).__name__ not in unread:
-                        process_in_place(holder, {})  # its weight is the one just written
-        for mname, names in self.experts.items():
-            heap.check()
-            prepack_experts(self.model.get_submodule(mname),
-                            {self.where[n][1]: self.buffers[n] for n in names})
-
-    def _commit_reload(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Copy ``buffers`` into the live model through vLLM's layerwise reload."""
-        import vllm.model_executor.model_loader.reload.layerwise as lw
-
-        if not buffers:
-            return
-        model = self.model
-        saved = snapshot_loaders(model.parameters())
-        kept = self.live_names | {n for n in self.buffers if n not in buffers}
-        with quiet_reload(model, kept):
-            # the modules this reload loads: each buffer's and its tied holders' (a
-            # holder prepacked in place is left out below)
-            loaded = {m for n in buffers for m, _ in [self.where[n][:2],
-                                                      *self.aliases.get(n, [])]}
-            reset_moe_kernels(model, [model.get_submodule(m) if m else model
-                                      for m in loaded - set(self.experts)])
-            lw.initialize_layerwise_reload(model)
-            try:
-                for name, buf in buffers.items():
-                    # a tied tensor is loaded into every module holding it, so that each
-                    # reprocesses its own copy (the LM head's GEMM)
-                    for mname, attr in [self.where[name][:2], *self.aliases.get(name, [])]:
-                        if mname in self.experts:
-                            # holds the owner's parameter object, which the owner's
-                            # reload writes: loading it here would reprocess the experts
-                            continue
-                        module = model.get_submodule(mname) if mname else model
-                        param = getattr(module, attr)
-                        # the restored parameter is vLLM's stored metadata object: its
-                        # loader is put back afterwards, or later reloads would inherit ours
-                        saved += snapshot_loaders([param])
-                        how = self.mapping.converts.get(name)
-                        param.weight_loader = _converting_loader(how) if how else _copy_into
-                        param.weight_loader = lw.make_online_process_loader(module, attr)
-                        param.weight_loader(param, buf)
-            finally:
-                lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
-                restore_loaders(saved)
-            for buffer, name in self.derived:  # views a reload leaves on the old storage
-                if name in buffers:
-                    buffer.copy_(buffers[name].view(buffer.shape))
-
-    def _committed(self, t0: float) -> float:
-        heap, self._heap = self._heap, None
-        trims = heap.trims if heap is not None else 0
-        if self.heap_slack_bytes is not None:  # else kept for the next commit's copies
-            return_freed_memory()
-            trims += 1
-        seconds = time.perf_counter() - t0
-        self._version, self.stale = self.receiver.version, False
-        self.last.update(committed=True, commit_seconds=seconds, stale=False,
-                         commit_trims=trims,
-                         swap_forward=self.forwards,
-                         peak_rss_extra=self._peak_extra(),
-                         rss_extra=rss_bytes() - self.rss_at_init)
-        return seconds
-
     def _peak_extra(self) -> int | None:
         """Peak resident memory since the refit state began, beyond what it was then."""
         return rss_bytes("VmHWM") - self.rss_at_init if self.measured_peak else None
@@ -591,81 +395,6 @@ class ReshardState:
         self.last["seconds"] = time.perf_counter() - t0
         return self.last
 
-    # -- checks (tests, demo) ---------------------------------------------------------
-    @torch.no_grad()
-    def vllm_reference(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What vLLM's own ``model.load_weights`` makes of a full checkpoint-format state
-        dict on this rank, as logical tensors -- without touching the live weights.
-
-        A dry run of layerwise reload: every layer is restored in checkpoint format and
-        loaded by the model's own loaders; when a layer is complete its logical tensors
-        are captured and the live kernel tensors are put back, unprocessed. (Tensors
-        vLLM never moves to meta, such as biases, are written in place with the same
-        loaders.)"""
-        import vllm.model_executor.model_loader.reload.layerwise as lw
-        from vllm.config import set_current_vllm_config
-
-        model = self.model
-        names = {m: n for n, m in model.named_modules()}
-        captured: dict[str, torch.Tensor] = {}
-
-        def capture(layer: torch.nn.Module, info: Any) -> None:
-            lw.materialize_layer(layer, info)
-            for p in lw.get_layer_tensors(layer).values():
-                p.weight_loader = lw._get_original_loader(p)
-            for pname, args in info.loaded_weights:
-                param = getattr(layer, pname)
-                args.arguments["param"] = param
-                param.weight_loader(*args.args, **args.kwargs)
-            prefix = names[layer]
-            for pname, p in layer._parameters.items():
-                if p is not None:
-                    name = f"{prefix}.{pname}" if prefix else pname
-                    # in its checkpoint dtype, as a fresh load stores it: a bias vLLM
-                    # turned to float32 takes the checkpoint's values unrounded here
-                    logical = self.where[name][3] if name in self.where else p.dtype
-                    captured[name] = p.detach().to(logical, copy=True)
-            lw._place_kernel_tensors(layer, info)
-            info.reset()
-
-        saved = snapshot_loaders(model.parameters())
-        original = lw._layerwise_process
-        lw._layerwise_process = capture
-        try:
-            with set_current_vllm_config(self.vllm_config), quiet_reload(model):
-                lw.initialize_layerwise_reload(model)
-                try:
-                    model.load_weights(iter(state_dict.items()))
-                finally:
-                    lw.finalize_layerwise_reload(model, self.vllm_config.model_config)
-        finally:
-            lw._layerwise_process = original
-            restore_loaders(saved)
-        return captured
-
-    def verify(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Compare the logical buffers of the last refit with :meth:`vllm_reference` of
-        ``state_dict``, bit for bit; also the live parameters vLLM keeps unpacked."""
-        ref = self.vllm_reference(state_dict)
-        mismatched = [n for n, b in {**self.buffers, **self.live}.items()
-                      if n not in ref or not _same(ref[n], self._as_loaded(n, b))]
-        mismatched += [f"{n} (derived buffer)" for d, n in self.derived
-                       if n in ref and not _same(d, ref[n].view(d.shape))]
-        mismatched += packed_gemm_mismatches(self.model, ref, self.aliases)
-        mismatched += packed_expert_mismatches(self.model, ref, list(self.experts))
-        live = dict(self.model.named_parameters())
-        # packed linears are empty on CPU (shape differs); MoE experts are reordered in
-        # place whatever their shape: compare the others, which vLLM leaves as loaded
-        experts = {n for n, (m, _, _, _) in self.where.items()
-                   if hasattr(self.model.get_submodule(m) if m else self.model, "w13_weight")}
-        live_checked = [n for n, b in self.buffers.items() if n in live and n not in experts
-                        and tuple(live[n].shape) == tuple(b.shape)]
-        live_mismatched = [n for n in live_checked if not _same(
-            live[n].data, self._as_loaded(n, self.buffers[n]))]
-        return {"rank": self.rank, "checked": len(self.buffers) + len(self.live),
-                "in_place_checked": len(self.live), "mismatched": mismatched,
-                "live_checked": len(live_checked), "live_mismatched": live_mismatched}
-
     def reconnect(self, host: str, port: int, timeout_s: float = 120.0) -> dict[str, Any]:
         """Meet the trainer again at a new ``host:port`` after a lost worker (collective
         with the trainer ranks' ``RefitSender.reconnect`` or fresh senders): the live
@@ -673,23 +402,8 @@ class ReshardState:
         self.receiver.reconnect(host, port, timeout=timedelta(seconds=timeout_s))
         return self.info()
 
-    def _as_loaded(self, name: str, logical: torch.Tensor) -> torch.Tensor:
-        """A logical tensor as vLLM's loader stores it (its conversion applied)."""
-        how = self.mapping.converts.get(name)
-        return logical if how is None else _converted(how, logical).to(self.where[name][3])
-
     def close(self) -> None:
         self._counting.remove()
         self.receiver.comm.close()
 
 
-def _same(held: torch.Tensor, logical: torch.Tensor) -> bool:
-    """Bit for bit the same values; where vLLM holds a tensor in another dtype than its
-    checkpoint form (a bias it turned to float32), the same through an exact cast both
-    ways."""
-    if held.dtype == logical.dtype:
-        if held.element_size() == 1 and held.is_floating_point():  # FP8: no torch.equal
-            return torch.equal(held.view(torch.uint8), logical.view(torch.uint8))
-        return torch.equal(held, logical)
-    return (torch.equal(held, logical.to(held.dtype)) and
-            torch.equal(held.to(logical.dtype), logical))
