@@ -39,8 +39,9 @@ import torch
 
 from reshard import planner
 from reshard.executor import Executor
-from reshard.layout import Layout, LocalView, Piece
+from reshard.layout import Layout
 from reshard.mesh import Mesh
+from reshard.pieces import LocalView, Piece
 from reshard.placement import Replicate, Shard
 from reshard.sim.models import TensorSpec
 from reshard.sim.nemo import is_bulk

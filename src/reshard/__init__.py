@@ -31,12 +31,14 @@ from reshard.errors import (
     TensorMismatchError,
     TransferError,
 )
-from reshard.layout import Layout, LocalView, Piece
+from reshard.layout import Layout
 from reshard.local import execute_local
 from reshard.mesh import Mesh
+from reshard.pieces import LocalView, Piece
 from reshard.placement import Replicate, Shard, StridedShard
-from reshard.planner import Plan, TensorPlan, Transfer, plan
+from reshard.planner import Plan, plan
 from reshard.stats import PlanStats
+from reshard.tensor_plan import TensorPlan, Transfer
 
 if TYPE_CHECKING:
     from reshard.dtensor import redistribute

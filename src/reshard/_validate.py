@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from math import prod
-from typing import TYPE_CHECKING
 
 from reshard.errors import LayoutError
-
-if TYPE_CHECKING:
-    from reshard.layout import Layout, Piece
+from reshard.pieces import LocalView, Piece
 
 
 def _overlaps(a_off, a_size, b_off, b_size) -> bool:
@@ -20,26 +18,28 @@ def _inside(offset, size, shape) -> bool:
         o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(offset, size, shape))
 
 
-def check_explicit(layout: Layout) -> None:
-    """Raise LayoutError unless every rank's pieces fit and the distinct boxes tile the tensor."""
+def check_explicit(shape: tuple[int, ...], views: Mapping[int, LocalView]) -> None:
+    """Raise LayoutError unless every rank's pieces fit in the tensor of ``shape`` and in
+    their local tensor, and the distinct boxes tile the tensor."""
     boxes: dict[tuple, int] = {}
-    for rank, view in zip(layout.ranks, layout._explicit):
-        _check_rank(layout, rank, view.local_shape, view.pieces)
+    for rank, view in views.items():
+        _check_rank(shape, rank, view.local_shape, view.pieces)
         for p in view.pieces:
             if p.numel:
                 boxes.setdefault((p.offset, p.size), rank)
-    _check_tiling(layout, boxes)
+    _check_tiling(shape, boxes)
 
 
-def _check_rank(layout: Layout, rank: int, local_shape, pieces: tuple[Piece, ...]) -> None:
-    if len(local_shape) != len(layout.shape):
+def _check_rank(shape: tuple[int, ...], rank: int, local_shape,
+                pieces: tuple[Piece, ...]) -> None:
+    if len(local_shape) != len(shape):
         raise LayoutError(
             f"rank {rank}: local shape {list(local_shape)} has {len(local_shape)} dims, the "
-            f"tensor {list(layout.shape)} has {len(layout.shape)}")
+            f"tensor {list(shape)} has {len(shape)}")
     for p in pieces:
-        if not _inside(p.offset, p.size, layout.shape):
+        if not _inside(p.offset, p.size, shape):
             raise LayoutError(f"rank {rank}: piece at {list(p.offset)} of size {list(p.size)} "
-                              f"lies outside the tensor of shape {list(layout.shape)}")
+                              f"lies outside the tensor of shape {list(shape)}")
         if not _inside(p.local_offset, p.size, local_shape):
             raise LayoutError(
                 f"rank {rank}: piece at local offset {list(p.local_offset)} of size "
@@ -51,7 +51,7 @@ def _check_rank(layout: Layout, rank: int, local_shape, pieces: tuple[Piece, ...
                                   f"and {list(b.local_offset)} overlap in the local tensor")
 
 
-def _check_tiling(layout: Layout, boxes: dict[tuple, int]) -> None:
+def _check_tiling(shape: tuple[int, ...], boxes: dict[tuple, int]) -> None:
     items = sorted(boxes.items())
     for i, ((a_off, a_size), ra) in enumerate(items):
         for (b_off, b_size), rb in items[i + 1:]:
@@ -62,7 +62,7 @@ def _check_tiling(layout: Layout, boxes: dict[tuple, int]) -> None:
                     f"explicit boxes overlap without being equal: rank {ra} holds "
                     f"{list(a_off)}+{list(a_size)}, rank {rb} holds {list(b_off)}+{list(b_size)}")
     covered = sum(prod(size) for _, size in boxes)
-    if covered != layout.numel:
-        raise LayoutError(f"explicit boxes cover {covered} of the {layout.numel} elements of "
-                          f"the tensor of shape {list(layout.shape)}: every element must be "
+    if covered != prod(shape):
+        raise LayoutError(f"explicit boxes cover {covered} of the {prod(shape)} elements of "
+                          f"the tensor of shape {list(shape)}: every element must be "
                           "held by at least one rank")

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from functools import cached_property
 from itertools import product
 from math import prod
 from typing import Any
 
+from reshard._validate import check_explicit
 from reshard.errors import LayoutError, TensorMismatchError
 from reshard.mesh import Mesh
+from reshard.pieces import LocalView, Piece
 from reshard.placement import Placement, Replicate, Shard, StridedShard, as_placement, chunk_bounds
 
-__all__ = ["Layout", "LocalView", "Piece", "box_slices", "dtype_itemsize", "dtype_name"]
+__all__ = ["Layout", "box_slices", "dtype_itemsize", "dtype_name"]
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -40,37 +41,6 @@ def dtype_name(dtype: Any) -> str:
 
 def dtype_itemsize(dtype: Any) -> int:
     return _ITEMSIZE[dtype_name(dtype)]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A global box ``[offset, offset + size)`` stored at ``local_offset`` of a local tensor."""
-
-    offset: tuple[int, ...]
-    size: tuple[int, ...]
-    local_offset: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.size)
-
-
-@dataclass(frozen=True)
-class LocalView:
-    """What one rank holds: its local tensor's shape and the pieces laid out in it."""
-
-    local_shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    @classmethod
-    def of(cls, local_shape: Sequence[int], pieces: Sequence[Any]) -> LocalView:
-        """Build from tuples ``(offset, size, local_offset)`` or :class:`Piece` objects."""
-        try:
-            made = tuple(p if isinstance(p, Piece) else Piece(*map(tuple, p)) for p in pieces)
-            return cls(tuple(local_shape), made)
-        except (TypeError, ValueError) as e:
-            raise LayoutError(f"expected a local shape and pieces (offset, size, "
-                              f"local_offset), got {local_shape!r}, {pieces!r} ({e})") from None
 
 
 Segments = tuple[tuple[int, int], ...]  # (global start, length) runs, in local order
@@ -169,9 +139,7 @@ class Layout:
         self.mesh = Mesh(ranks)
         self.placements = None
         self._explicit = tuple(_as_view(r, views[r]) for r in ranks)
-        from reshard._validate import check_explicit
-
-        check_explicit(self)
+        check_explicit(self.shape, dict(zip(ranks, self._explicit)))
         return self
 
     @classmethod

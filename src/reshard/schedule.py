@@ -13,7 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from math import prod
 
-from reshard.planner import Plan, Transfer
+from reshard.planner import Plan
+from reshard.tensor_plan import Transfer
 
 __all__ = ["Hop", "Schedule", "flat_schedule", "split_hop"]
 

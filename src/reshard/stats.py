@@ -4,11 +4,11 @@ gather-and-broadcast would move for the same pair of layouts."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from reshard.planner import Plan
+from reshard.tensor_plan import TensorPlan
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class PlanStats:
         return self.max_send_bytes / self.send_lower_bound if self.send_lower_bound else 1.0
 
 
-def compute_stats(plan: Plan) -> PlanStats:
+def compute_stats(tensors: Sequence[TensorPlan]) -> PlanStats:
+    """The statistics of a plan's tensors (:attr:`reshard.planner.Plan.tensors`)."""
     send: Counter[int] = Counter()
     recv: Counter[int] = Counter()
     demand: Counter[frozenset[int]] = Counter()
@@ -52,7 +53,7 @@ def compute_stats(plan: Plan) -> PlanStats:
     held: dict[tuple, int] = {}  # elements held over all ranks, per layout structure
     # Everything but the chosen senders depends only on the template and the two sides'
     # ranks, so tensors are counted per such group (all the experts of a layer are one).
-    for t, count in tensor_groups(plan.tensors):
+    for t, count in tensor_groups(tensors):
         tpl = t.template
         src_ranks, dst_ranks = t.src.ranks, t.dst.ranks
         sent += tpl.remote_bytes * count
@@ -71,7 +72,7 @@ def compute_stats(plan: Plan) -> PlanStats:
             unit = tpl.units[u]
             holders = frozenset(src_ranks[s] for s, _ in unit.holders)
             demand[holders] += unit.nbytes * len(unit.remote) * count
-    for t in plan.tensors:
+    for t in tensors:
         if t.senders:
             units, src_ranks = t.template.units, t.src.ranks
             for u, chosen in t.senders:
@@ -80,7 +81,7 @@ def compute_stats(plan: Plan) -> PlanStats:
                     send[src_ranks[slot]] += nbytes
     max_recv = max(recv.values(), default=0)
     return PlanStats(
-        num_tensors=len(plan.tensors), num_messages=messages, bytes_sent=sent,
+        num_tensors=len(tensors), num_messages=messages, bytes_sent=sent,
         bytes_local=local, dst_bytes=dst_bytes, max_send_bytes=max(send.values(), default=0),
         max_recv_bytes=max_recv, send_lower_bound=_send_lower_bound(demand),
         recv_lower_bound=max_recv, gather_broadcast_bytes=2 * model,

@@ -21,8 +21,9 @@ import torch
 from reshard._transport.runner import RunStats
 from reshard.comm import Comm
 from reshard.layout import box_slices
-from reshard.planner import Plan, TensorPlan
+from reshard.planner import Plan
 from reshard.stats import distinct_shard_slots
+from reshard.tensor_plan import TensorPlan
 
 __all__ = ["GatherBroadcast"]
 

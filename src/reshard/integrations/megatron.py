@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import MappingError
-from reshard.layout import Layout, LocalView, Piece, dtype_name
+from reshard.layout import Layout, dtype_name
+from reshard.pieces import LocalView, Piece
 
 __all__ = ["FAMILIES", "MEGATRON_TO_HF", "Coords", "Entry", "Family", "check_family", "hf_entries",
            "refit_params"]

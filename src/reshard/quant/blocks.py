@@ -18,7 +18,8 @@ from functools import lru_cache
 from math import prod
 
 from reshard.errors import Fp8BlockError, LayoutError
-from reshard.layout import Layout, Piece, dtype_itemsize
+from reshard.layout import Layout, dtype_itemsize
+from reshard.pieces import Piece
 
 __all__ = ["BlockBox", "BlockFormat", "Fp8Bytes", "Fp8Plan", "SharedBlock", "TensorBlocks",
            "block_box", "check_engine_split", "fp8_bytes", "grid_shape", "plan_fp8",

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import Fp8BlockError, TensorMismatchError
-from reshard.layout import Layout, Piece, box_slices
+from reshard.layout import Layout, box_slices
+from reshard.pieces import Piece
 from reshard.quant.blocks import (
     BlockBox,
     BlockFormat,

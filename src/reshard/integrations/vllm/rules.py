@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import MappingError
-from reshard.layout import Layout, LocalView, Piece
+from reshard.layout import Layout
 from reshard.mesh import Mesh
+from reshard.pieces import LocalView, Piece
 from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
