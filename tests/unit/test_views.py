@@ -67,8 +67,9 @@ def test_same_tensors_reuse_new_layouts_rebuild_and_nothing_is_kept():
 
 def test_copy_regions_moves_every_bit_in_words_and_casts_the_rest():
     """A message's regions copied together: same-dtype pairs as 8-byte words where the
-    geometry allows (strided bf16 columns, an odd start, NaN payloads kept), a cast
-    and a region too narrow for words still element by element."""
+    geometry allows (strided bf16 columns, NaN payloads kept), small contiguous ones in
+    one batch, an odd start, a cast and a region too narrow for words element by
+    element, nothing outside the regions touched."""
     from reshard._transport.views import _words, copy_regions
 
     g = torch.Generator().manual_seed(0)
@@ -80,7 +81,13 @@ def test_copy_regions_moves_every_bit_in_words_and_casts_the_rest():
     narrow = torch.zeros(64, 6, dtype=torch.bfloat16)[:, 1:4]  # 3 elements a row
     cast = torch.zeros(64, 96, dtype=torch.float32)
     assert _words(cols) is not None and _words(odd) is None and _words(narrow) is None
-    copy_regions([cols, odd, narrow, cast], [src, src[0, :64], src[:, :3], src])
+    rows = torch.zeros(8, 96, dtype=torch.bfloat16)
+    pair = [rows[1:3], rows[5:6]]  # contiguous, in words: one batch of two
+    copy_regions([cols, odd, narrow, cast, *pair],
+                 [src, src[0, :64], src[:, :3], src, src[10:12], src[20:21]])
+    assert torch.equal(rows[1:3].view(torch.int16), bits[10:12])
+    assert torch.equal(rows[5].view(torch.int16), bits[20])
+    assert rows[[0, 3, 4, 6, 7]].eq(0).all()
     assert torch.equal(cols.view(torch.int16), bits)
     assert torch.equal(odd.view(torch.int16), bits[0, :64])
     assert torch.equal(narrow.contiguous().view(torch.int16), bits[:, :3])
