@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import time
 
 import torch
 
+from benchtools import slowest_median
 from reshard.executor import Executor
 from reshard.tools.bench import BenchConfig, build_plan, floor_runner
 from reshard.tools.cli import parse_bytes
@@ -67,7 +67,7 @@ def main() -> None:
     cfg = BenchConfig(src=a.src, dst=a.dst, model_bytes=parse_bytes(a.model_bytes))
     _, world = build_plan(cfg)
     per_rank = run_processes(_worker, world, cfg, a.repeats, timeout=1800)
-    wall = {n: statistics.median(max(ts) for ts in zip(*(r[f"{n}_wall"] for r in per_rank)))
+    wall = {n: slowest_median(r[f"{n}_wall"] for r in per_rank)
             for n in ("floor", "reshard")}
     cpu = {n: sum(sum(r[f"{n}_cpu"]) for r in per_rank) / a.repeats
            for n in ("floor", "reshard")}

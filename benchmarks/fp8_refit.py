@@ -19,12 +19,12 @@ checks one tensor bit for bit against the reference quantizer of the full tensor
 from __future__ import annotations
 
 import argparse
-import statistics
 from datetime import timedelta
 
 import torch
 
 import reshard as R
+from benchtools import slowest_median
 from reshard.quant import BlockFormat, quantize_reference
 from reshard.quant.targets import SCALE_SUFFIX, fp8_engine_layouts
 from reshard.refit import RefitReceiver, RefitSender
@@ -106,12 +106,8 @@ def run(args, fp8: bool) -> dict:
     engine = results[args.trainer:]
     return {"received": [e["received"] for e in engine], "scales": [e["scales"] for e in engine],
             "amax": results[0]["amax"], "exact": [e["exact"] for e in engine],
-            "seconds": _median_of_slowest(results, "seconds", args.repeats),
-            "quantize": _median_of_slowest(results[:args.trainer], "quantize", args.repeats)}
-
-
-def _median_of_slowest(results, key: str, repeats: int) -> float:
-    return statistics.median(max(r[key][i] for r in results) for i in range(repeats))
+            "seconds": slowest_median(r["seconds"] for r in results),
+            "quantize": slowest_median(r["quantize"] for r in results[:args.trainer])}
 
 
 def main() -> None:

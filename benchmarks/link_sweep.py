@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from benchtools import pyplot
 from reshard.tools.bench import BenchConfig, run_bench
 from reshard.tools.cli import parse_bytes
 
@@ -75,10 +76,7 @@ def _line(row: dict) -> str:
 
 
 def _plot(rows: list[dict], a: argparse.Namespace) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     net = [r for r in rows if "link_mbit" in r]
     x = [r["link_mbit"] for r in net]

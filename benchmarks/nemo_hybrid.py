@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from benchtools import slowest_median
 from reshard import planner
 from reshard.executor import Executor
 from reshard.layout import Layout
@@ -268,9 +268,9 @@ def summarise(per_rank: list[dict], m: Shape, domains: dict[int, int]) -> dict:
              for part in ("all", "bulk")}
     for case in per_rank[0]:
         entries = [r[case] for r in per_rank]
-        seconds = statistics.median(max(ts) for ts in zip(*(e["times"] for e in entries)))
-        parts = {part: statistics.median(max(ts) for ts in zip(
-            *(e["part_times"][part] for e in entries))) for part in entries[0]["part_times"]}
+        seconds = slowest_median(e["times"] for e in entries)
+        parts = {part: slowest_median(e["part_times"][part] for e in entries)
+                 for part in entries[0]["part_times"]}
         sent = {part: sum(e["sent"][part] for e in entries) for part in entries[0]["sent"]}
         out["cases"][case] = {"seconds": seconds, "part_seconds": parts, "bytes_sent": sent,
                               "verified": all(e["ok"] for e in entries)}

@@ -19,15 +19,13 @@ warm runs (plan and stats timed separately), and the plan's statistics.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
 import reshard as R
+from benchtools import timed
 from reshard.placement import chunk_bounds
 from reshard.sim.models import ModelSpec, preset
 
@@ -137,13 +135,6 @@ def build(model: ModelSpec):
     return trainer_layouts(model, cache), inference_layouts(model, cache), cache
 
 
-def timed(fn: Callable[[], object]) -> tuple[dict[str, float], object]:
-    """{"wall": s, "cpu": s} of ``fn()`` and its value (CPU time is steadier on a busy
-    machine: planning is single-threaded Python)."""
-    gc.collect()
-    cpu, start = time.process_time(), time.perf_counter()
-    value = fn()
-    return {"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu}, value
 
 
 def _best(runs: list[dict[str, float]]) -> dict[str, float]:

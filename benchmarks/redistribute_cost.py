@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
+from benchtools import slowest_median
 from reshard.comm import Comm
 from reshard.dtensor import redistribute
 from reshard.executor import Executor
@@ -98,7 +98,7 @@ def main() -> None:
                       repeats=args.repeats)
     plan, world = build_plan(cfg)
     per_rank = run_processes(_worker, world, cfg, timeout=1800)
-    seconds = {w: statistics.median(max(ts) for ts in zip(*(r["times"][w] for r in per_rank)))
+    seconds = {w: slowest_median(r["times"][w] for r in per_rank)
                for w in WAYS}
     verified = {w: all(r["ok"][w] for r in per_rank) for w in WAYS}
     base = seconds["executor"]

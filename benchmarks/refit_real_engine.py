@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from refit_real import nbytes, packed_buckets
+from benchtools import profiled
+from refit_real_models import nbytes, packed_buckets
 from reshard.integrations.vllm import ReshardWorkerExtension
 from reshard.integrations.vllm.internals import (
     has_own_lm_head,
@@ -35,19 +36,6 @@ from reshard.integrations.vllm.memory import reset_peak_rss, return_freed_memory
 
 def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def profiled(fn: Any, top: int = 30) -> str:
-    """``fn()`` under cProfile: the ``top`` functions by cumulative time, as text."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.runcall(fn)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
-    return text.getvalue()
 
 
 class BenchExtension(ReshardWorkerExtension):

@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from refit_real import MODELS
+from refit_real_models import MODELS
 
 MODES = ("none", "stop-the-world", "overlapped")
 PAUSE_TARGET_S = 0.5  # issue 38: a served refit pauses for its swap, not 5 s

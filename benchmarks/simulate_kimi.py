@@ -12,11 +12,10 @@ wall and CPU; the target is plan + simulate under 10 s on one core.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
-import time
 
+from benchtools import timed
 from reshard import planner
 from reshard.defaults import METHODS
 from reshard.sim.costmodel import simulate
@@ -26,11 +25,6 @@ from reshard.sim.specs import ParallelSpec, model_layouts
 SRC, DST = "pp16,ep16", "tp8,dp16"
 
 
-def timed(fn):
-    gc.collect()
-    cpu, wall = time.process_time(), time.perf_counter()
-    value = fn()
-    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}, value
 
 
 def run(cluster: str, repeat: int) -> dict:

@@ -18,6 +18,7 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "nemo_hybrid.py"
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # its shared tools, as when it runs as a script
     spec = importlib.util.spec_from_file_location("nemo_hybrid", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
