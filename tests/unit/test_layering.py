@@ -172,6 +172,25 @@ def test_no_import_circles():
     assert not circles, circles
 
 
+#: An engine's package (``integrations/<engine>/``): its door (``__init__``) loads its names
+#: on first use, and the modules beneath it that need no engine import none of those that
+#: do, so they load without it (the mapping, its rules, FP8 checkpoints).
+ENGINE_PACKAGES = {"reshard.integrations.vllm": ("mapping", "rules", "fp8")}
+
+
+def test_engine_packages_keep_their_rooms():
+    bad = []
+    for package, pure in ENGINE_PACKAGES.items():
+        inside = [m for m in MODULES if m.startswith(package + ".")]
+        bad += [f"{m} imports its package's door" for m in inside
+                for imp, names, _ in imports_of(m) if package in _target(imp, names)]
+        bad += [f"{package} imports {imp} when it loads" for imp, _, _ in imports_of(package)]
+        allowed = {f"{package}.{p}" for p in pure}
+        bad += [f"{m} imports {t}" for m in allowed for imp, names, _ in imports_of(m)
+                for t in _target(imp, names) if t.startswith(package + ".") and t not in allowed]
+    assert not bad, "\n".join(bad)
+
+
 def test_transport_stays_behind_the_executor():
     bad = [(m, imp) for m in MODULES for imp, _, _ in imports_of(m)
            if imp.startswith("reshard._transport") and not (
