@@ -1,8 +1,11 @@
 """What a staging copy costs on a GPU, piece by piece: the device time of a strided
 region's copy in its own dtype and as 8-byte words, the host's cost of one ``copy_``
 call from Python, and what batching the calls (``_foreach_copy_``, a CUDA graph
-replaying the same copies) gives back. It explains the packing figures of
-``benchmarks/gpu_check.py`` (docs/gpu-check.md) and is run on a CUDA machine:
+replaying the same copies) gives back, each alone. It is the groundwork for the
+packing figures of ``benchmarks/gpu_check.py`` (docs/gpu-check.md: on an H200 both
+batching and 8-byte words measured slower inside the executor's packing, whose host
+work per region they add to; a CUDA graph per bound geometry is the lead). Run on a
+CUDA machine:
 
     PYTHONPATH=src python3 benchmarks/gpu_copy_costs.py [--repeats 20]
 

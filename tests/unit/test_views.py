@@ -63,34 +63,3 @@ def test_same_tensors_reuse_new_layouts_rebuild_and_nothing_is_kept():
         assert ok and all(exact), exact
         assert min(direct) > 0, direct  # the unpacked paths were taken, every time
         assert kept == 0, f"{kept} of the caller's tensors are still alive after the run"
-
-
-def test_copy_regions_moves_every_bit_in_words_and_casts_the_rest():
-    """A message's regions copied together: same-dtype pairs as 8-byte words where the
-    geometry allows (strided bf16 columns, NaN payloads kept), small contiguous ones in
-    one batch, an odd start, a cast and a region too narrow for words element by
-    element, nothing outside the regions touched."""
-    from reshard._transport.views import _words, copy_regions
-
-    g = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2**15, 2**15, (64, 96), generator=g, dtype=torch.int16)
-    src = bits.view(torch.bfloat16)  # every bit pattern, NaNs with payloads included
-    dst = torch.zeros(64, 192, dtype=torch.bfloat16)
-    cols = dst[:, 8:104]  # strided: row stride 192, start 8 elements in
-    odd = torch.zeros(70, dtype=torch.bfloat16)[1:65]  # a start no word can take
-    narrow = torch.zeros(64, 6, dtype=torch.bfloat16)[:, 1:4]  # 3 elements a row
-    cast = torch.zeros(64, 96, dtype=torch.float32)
-    assert _words(cols) is not None and _words(odd) is None and _words(narrow) is None
-    rows = torch.zeros(8, 96, dtype=torch.bfloat16)
-    pair = [rows[1:3], rows[5:6]]  # contiguous, in words: one batch of two
-    copy_regions([cols, odd, narrow, cast, *pair],
-                 [src, src[0, :64], src[:, :3], src, src[10:12], src[20:21]])
-    assert torch.equal(rows[1:3].view(torch.int16), bits[10:12])
-    assert torch.equal(rows[5].view(torch.int16), bits[20])
-    assert rows[[0, 3, 4, 6, 7]].eq(0).all()
-    assert torch.equal(cols.view(torch.int16), bits)
-    assert torch.equal(odd.view(torch.int16), bits[0, :64])
-    assert torch.equal(narrow.contiguous().view(torch.int16), bits[:, :3])
-    finite = ~src.isnan()
-    assert torch.equal(cast[finite], src.float()[finite])
-    assert dst[:, :8].eq(0).all() and dst[:, 104:].eq(0).all()  # nothing outside

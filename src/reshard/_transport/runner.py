@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from reshard._transport.integrity import CHECKSUMS, digest
-from reshard._transport.views import RegionViews, copy_regions
+from reshard._transport.views import RegionViews
 from reshard.comm import Comm
 from reshard.errors import TransferError
 from reshard.schedule import DEST, Hop, Schedule
@@ -330,8 +330,8 @@ class RankRunner:
               offsets: list[int]) -> torch.Tensor:
         """Copy one message's regions into ``send_arena[a:b]`` and return that slice."""
         try:
-            copy_regions([self.views.slot(send_arena, "send", a + off, h)
-                          for h, off in zip(hops, offsets)], [self.views.read(h) for h in hops])
+            for h, off in zip(hops, offsets):
+                self.views.slot(send_arena, "send", a + off, h).copy_(self.views.read(h))
         except Exception as e:  # keep the protocol whole: peers get their bytes
             self.read_error = self.read_error or e
             send_arena[a:b].zero_()
@@ -339,10 +339,9 @@ class RankRunner:
 
     def _unpack(self, recv_arena: torch.Tensor, a: int, hops: list[Hop],
                 offsets: list[int]) -> None:
-        copy_regions([self.views.write(h) for h in hops],
-                     [self.views.slot(recv_arena, "recv", a + off, h)
-                      for h, off in zip(hops, offsets)])
-        self.stats.bytes_received += sum(h.nbytes for h in hops)
+        for h, off in zip(hops, offsets):
+            self.views.write(h).copy_(self.views.slot(recv_arena, "recv", a + off, h))
+            self.stats.bytes_received += h.nbytes
 
     def _copy_local(self, local: list[Hop]) -> None:
         for h in local:  # local copies overlap the messages in flight

@@ -21,7 +21,7 @@ import torch
 from reshard.layout import box_slices
 from reshard.schedule import DEST, Hop
 
-__all__ = ["RegionViews", "copy_regions", "flat_bytes"]
+__all__ = ["RegionViews", "flat_bytes"]
 
 _MISSING = object()
 
@@ -157,56 +157,3 @@ def flat_bytes(view: torch.Tensor) -> torch.Tensor:
     if flat.numel() and flat.stride(0) != 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
-
-
-#: a contiguous region smaller than this is copied in a batch with the message's others
-#: (one ``_foreach_copy_``, a few kernels for them all); a larger one in its own
-#: ``copy_`` (a plain device copy, faster for it). Measured on an H200, where one
-#: ``copy_`` call costs 9-13 us of host time: 361 regions of 2.4 MiB copy at 191 GB/s
-#: one by one and 859 GB/s batched, 60 of 39 MiB at 1747 GB/s one by one and 933 GB/s
-#: batched (``benchmarks/gpu_copy_costs.py``, docs/gpu-check.md)
-BATCH_BELOW = 8 << 20
-
-
-def copy_regions(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy each source region into its destination (disjoint regions, any order).
-
-    Small contiguous regions of one dtype go together in one ``_foreach_copy_``; large
-    or strided ones one by one. A pair of the same dtype is copied as 8-byte words where
-    its geometry allows (a strided copy of bf16 elements moves 602 GB/s on an H200, of
-    int64 words 1005 GB/s; the bits are the same). No autograd: these are transport
-    copies."""
-    batches: dict[tuple, tuple[list, list]] = {}
-    with torch.no_grad():
-        for d, s in zip(dsts, srcs):
-            if d.dtype == s.dtype:
-                wide_d, wide_s = _words(d), _words(s)
-                if wide_d is not None and wide_s is not None:
-                    d, s = wide_d, wide_s
-                if (d.numel() * d.element_size() < BATCH_BELOW and d.device == s.device
-                        and d.is_contiguous() and s.is_contiguous()):
-                    batch = batches.setdefault((d.dtype, d.device), ([], []))
-                    batch[0].append(d)
-                    batch[1].append(s)
-                    continue
-            d.copy_(s)
-        for ds, ss in batches.values():
-            if len(ds) == 1:
-                ds[0].copy_(ss[0])
-            else:
-                torch._foreach_copy_(ds, ss)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` viewed as int64 words when its memory allows (innermost dim contiguous,
-    every stride, the size of that dim and the start a whole number of words), else
-    None."""
-    ratio = 8 // t.element_size() if t.element_size() < 8 else 0
-    if (not ratio or t.dim() == 0 or t.stride(-1) != 1 or t.shape[-1] % ratio
-            or t.storage_offset() % ratio or t.data_ptr() % 8
-            or any(st % ratio for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)):
-        return None
-    try:
-        return t.view(torch.int64)
-    except RuntimeError:
-        return None
