@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from reshard._transport.runner import RankRunner, RunStats
+from reshard._transport.sparse_runner import SparseRunner, SparseStats
 from reshard.comm import Comm, backend_device_types
 from reshard.defaults import ALL_METHODS, CHECKSUMS, COLOCATED, DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError, FingerprintMismatchError, TensorMismatchError
@@ -23,7 +24,7 @@ from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
 
-__all__ = ["Executor", "RunStats", "checksum_kind", "execute", "local_problem"]
+__all__ = ["Executor", "RunStats", "SparseStats", "checksum_kind", "execute", "local_problem"]
 
 
 class Executor:
@@ -71,12 +72,27 @@ class Executor:
                                   "with a token)")
             self._runner.checksum = self.checksum
             self._runner.digest_key, self._runner.digest_label = digest_key, method.encode()
+        self._digest_key, self._sparse = digest_key, None
         self._baseline = None
         if method == "gather_broadcast":
             from reshard._transport.baseline import GatherBroadcast
 
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
+
+    def sparse_runner(self) -> SparseRunner:
+        """This executor's transport for sparse refits (made once; ``reshard`` and
+        ``p2p`` only): the plan's regions as the flat schedule cuts them, straight from
+        each chosen sender, only what changed since the last committed version
+        (:mod:`reshard.refit.sparse`)."""
+        if self.method not in ("reshard", "p2p"):
+            raise ConfigError(f"sparse refits carry the reshard and p2p methods, not "
+                              f"{self.method!r}")
+        if self._sparse is None:
+            self._sparse = SparseRunner(self.plan, self.comm, budget_bytes=self.budget_bytes,
+                                        staging_bytes=self.staging_bytes,
+                                        checksum=self.checksum, digest_key=self._digest_key)
+        return self._sparse
 
     def release(self) -> None:
         """Free this rank's staging memory now (it is made again by the next run)."""

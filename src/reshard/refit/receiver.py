@@ -129,6 +129,12 @@ class RefitReceiver(Side):
             self.go_live()
         return stats
 
+    def invalidate(self) -> None:
+        """This rank's staging no longer holds the last version whole (written outside
+        a refit, or not to be trusted): its next refit arrives dense, whatever the
+        trainer's ``sparse`` mode; the other ranks may still get theirs sparse."""
+        self.sparse_refits.base = None
+
     def go_live(self) -> int:
         """Copy the last version received whole over the live targets (after
         ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""

@@ -7,10 +7,12 @@ from datetime import timedelta
 from typing import Any
 
 from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+from reshard.errors import ConfigError
 from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors
+from reshard.refit.sparse import SPARSE_MODES
 
 __all__ = ["RefitSender"]
 
@@ -28,14 +30,19 @@ class RefitSender(Side):
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
                  checksum: bool | str | None = None, token: str | bytes | None = None,
-                 listen: str | None = None) -> None:
+                 listen: str | None = None, sparse: str = "off") -> None:
         """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
         bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
         ends by one deadline); ``checksum`` (``True``/``"sum"``, ``"crc32"`` or
         ``"hmac"``; by default ``"hmac"`` with a token, else off) checks every message,
         on both sides alike. ``token`` (else ``$RESHARD_TOKEN``): only ranks holding the
         same one meet; ``listen``: where rank 0's store listens (default ``host``); see
-        ``docs/security.md``."""
+        ``docs/security.md``. ``sparse``: after the first refit, send only the values
+        that changed in the engine's dtype (``"on"``; ``"auto"``: dense for a while after
+        a refit where sparse did not pay; ``"off"``), keeping one engine-dtype copy of
+        what this rank sends; see ``docs/sparse.md``."""
+        if sparse not in SPARSE_MODES:
+            raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {sparse!r}")
         self.params = params
         if layouts is None:
             _, layouts = layouts_of(params)
@@ -45,12 +52,14 @@ class RefitSender(Side):
                          listen=listen)
         super().__init__(meet(host, port, **meet_args), policy=policy, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
-                         meet_args=meet_args)
+                         meet_args=meet_args, sparse=sparse)
         self.explicit_layouts = layouts is not None
 
-    def refit(self, version: int) -> RefitStats:
-        """Send the current parameters as weight version ``version`` (must increase)."""
+    def refit(self, version: int, *, dense: bool = False) -> RefitStats:
+        """Send the current parameters as weight version ``version`` (must increase).
+        ``dense``: this refit dense whatever the ``sparse`` mode (the copy is kept)."""
         src = local_tensors(self.params)
+        self.sparse_refits.force_dense = dense
         stats = self._move(src, {}, version)
         self.version = stats.version
         return stats

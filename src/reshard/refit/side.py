@@ -49,6 +49,7 @@ from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.refit.amax import quantize_for_refit
 from reshard.refit.rendezvous import Meeting, meet
+from reshard.refit.sparse import SPARSE_METHODS, SparseRefits, SparseStats
 
 __all__ = ["RefitStats", "Side", "layouts_of", "local_tensors", "print_progress"]
 
@@ -66,6 +67,9 @@ class RefitStats:
     """FP8 refits: the bytes this rank put into the amax exchange (4 a shared block)."""
     quantize_seconds: float = 0.0
     """FP8 refits: this rank's time quantizing (its amax exchange included)."""
+    sparse: SparseStats | None = None
+    """Sparse refits (``RefitSender(sparse=...)`` not ``"off"``): changed fraction,
+    bytes by encoding, the dense bytes replaced, detection time (``docs/sparse.md``)."""
 
 
 def layouts_of(params: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
@@ -103,9 +107,11 @@ class Side:
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
                  refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
-                 meet_args: dict[str, Any] | None = None) -> None:
+                 meet_args: dict[str, Any] | None = None, sparse: str | None = None) -> None:
         """``meet_args`` (as for :func:`meet`) are kept for :meth:`_remeet`. ``checksum``
-        None: ``"hmac"`` when the meeting has a token, else off."""
+        None: ``"hmac"`` when the meeting has a token, else off. ``sparse``: a sender's
+        mode (``"auto"``, ``"on"``, ``"off"``); None on a receiver, which follows."""
+        self.sparse_refits = SparseRefits(sparse)
         if meet_args is not None:
             self._meet_args = meet_args
         self.version = 0
@@ -153,6 +159,8 @@ class Side:
         self.staging_bytes = min(self.budget_bytes, DEFAULT_REFIT_STAGING_BYTES)
         self.executors = self._build_executors(meeting)
         self._amax_comm = _amax_group(meeting)
+        self.sparse_refits.reset()
+        self._sparse_bases: dict[int, int | None] | None = None
         self._reconciled(max(v.version for v in views))
         self.pending = None
 
@@ -200,19 +208,21 @@ class Side:
         fp8 = self.meeting.fp8
         problem = local_problem(self.meeting.plan, self.rank, src, dst, src_layouts=None
                                 if fp8 is None else fp8.source_checks())
+        sparse = self.sparse_refits.view(fp8 is not None)
         try:
-            views = self.comm.all_gather_object((self.rank, problem, proposed, self.version),
-                                                **_timeout(self._left(deadline)))
+            views = self.comm.all_gather_object((self.rank, problem, proposed, self.version,
+                                                 sparse), **_timeout(self._left(deadline)))
         except RuntimeError as e:
             self._break()
             raise TransferError(f"rank {self.rank}: the weight-update group is broken "
                                 f"({str(e).splitlines()[0]}); nothing was moved") from e
-        problems = [(r, p) for r, p, _, _ in views if p]
+        problems = [(r, p) for r, p, *_ in views if p]
         if problems:
             raise TensorMismatchError(f"rank {problems[0][0]}: {problems[0][1]}; nothing "
                                       "was moved")
-        new = max(v for _, _, v, _ in views if v is not None)
-        current = max(c for _, _, _, c in views)
+        new = max(v for _, _, v, *_ in views if v is not None)
+        current = max(c for _, _, _, c, _ in views)
+        self._sparse_bases = SparseRefits.decide([s for *_, s in views])
         if new <= current:
             raise ReshardError(f"refit version {new} is not newer than the current version "
                                f"{current}; nothing was moved")
@@ -228,24 +238,17 @@ class Side:
         deadline = self._deadline()
         version = self._check(src, dst, proposed, deadline)
         error: BaseException | None = None
-        sent = received = rounds = staging = 0
         t_quant = time.perf_counter()
         try:
             src, amax = self._quantized(src, deadline)
         except TransferError as e:
             error, amax = e, 0
         t_quant = time.perf_counter() - t_quant
-        for ex in self.executors if error is None else ():
-            ex.deadline = deadline
-            try:
-                s = ex.run(src, dst, check=False)
-                sent, received, rounds = (sent + s.bytes_sent, received + s.bytes_received,
-                                          rounds + s.rounds)
-                staging = max(staging, s.peak_staging_bytes)
-            except TransferError as e:
-                error = e
-                break
-        broken = any(ex.broken for ex in self.executors)
+        moved = _Moved()
+        if error is None:
+            error = self._transfer(src, dst, deadline, moved)
+        broken = any(ex.broken for ex in self.executors) or any(
+            tr.broken for tr in self.sparse_refits.transports.values())
         if broken:  # tell every peer now (their waits fail at once), then the commit fails
             self._break()
         if error is None and ready is not None:
@@ -253,9 +256,33 @@ class Side:
                 ready()
             except Exception as e:  # noqa: BLE001 - every rank hears of it at the commit
                 error = e
-        self._commit(error, broken=broken, deadline=deadline, version=version)
-        return RefitStats(version, time.perf_counter() - t0, sent, received, rounds, staging,
-                          amax, t_quant)
+        try:
+            self._commit(error, broken=broken, deadline=deadline, version=version)
+        except BaseException:
+            self.sparse_refits.failed()
+            raise
+        self.sparse_refits.committed(version, src, self.executors, moved.sparse)
+        return RefitStats(version, time.perf_counter() - t0, moved.sent, moved.received,
+                          moved.rounds, moved.staging, amax, t_quant, moved.sparse)
+
+    def _transfer(self, src, dst, deadline: float | None, moved: _Moved
+                  ) -> BaseException | None:
+        """Run every executor (those a sparse refit carries through its transport);
+        what they moved goes into ``moved``; returns the first transport error."""
+        bases = self._sparse_bases
+        for ex in self.executors:
+            ex.deadline = deadline
+            try:
+                if bases is not None and ex.method in SPARSE_METHODS:
+                    s = self.sparse_refits.run(ex, src, dst, bases, deadline)
+                    moved.add_sparse(s)
+                else:
+                    moved.add(ex.run(src, dst, check=False))
+            except TransferError as e:
+                return e
+        if moved.sparse is None and self.sparse_refits.mode not in (None, "off"):
+            moved.sparse = SparseStats(state_bytes=self.sparse_refits.state_bytes())
+        return None
 
     def _quantized(self, src, deadline: float | None):
         """``(what this rank sends, amax bytes it exchanged)``: on a trainer rank of an
@@ -328,6 +355,27 @@ class Side:
 
     def _reconciled(self, committed: int) -> None:
         """After a reconnect: ``committed`` is the newest version any rank committed."""
+
+
+class _Moved:
+    """What a refit's executors moved on this rank, added up."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = self.rounds = self.staging = 0
+        self.sparse: SparseStats | None = None
+
+    def add(self, s) -> None:
+        self.sent, self.received = self.sent + s.bytes_sent, self.received + s.bytes_received
+        self.rounds += s.rounds
+        self.staging = max(self.staging, s.peak_staging_bytes)
+
+    def add_sparse(self, s: SparseStats) -> None:
+        self.sent, self.received = self.sent + s.wire_sent, self.received + s.wire_received
+        self.rounds += s.rounds
+        if self.sparse is None:
+            self.sparse = s
+        else:
+            self.sparse.merge(s)
 
 
 _COMMIT_GRACE_S = 1.0  # a rank that hit the deadline still tells its peers, this long

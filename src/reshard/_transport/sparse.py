@@ -1,0 +1,169 @@
+"""The encodings of a sparse refit: one region's changed elements, exactly, in the
+fewest bytes (private; :mod:`reshard.refit.sparse` sends them).
+
+A region is compared bit for bit (as integers of its element width: ``-0.0`` differs
+from ``0.0``, a NaN equals itself) with what was sent for it at the last committed
+version; what travels is the changed elements' absolute values, never arithmetic
+deltas, so nothing can drift. Four exact encodings, the cheapest by bytes chosen per
+region (``n`` elements of ``itemsize`` bytes, ``m`` of them changed):
+
+* ``dense``: every element, ``n * itemsize``;
+* ``bitmap``: one bit per element, then the changed values, ``ceil(n / 8) + m * itemsize``;
+* ``offsets32``: sorted int32 flat offsets, then the values, ``m * (4 + itemsize)``;
+* ``offsets16``: the same with 16-bit offsets, for a region of at most 65,536 elements,
+  ``m * (2 + itemsize)``.
+
+Each part starts 8-byte aligned within a region's payload (so values can be viewed in
+place); ``payload_nbytes`` counts that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DENSE", "ENCODINGS", "Encoded", "apply", "cheapest", "decode", "encode",
+           "payload_nbytes"]
+
+DENSE, BITMAP, OFFSETS32, OFFSETS16 = 0, 1, 2, 3
+ENCODINGS = ("dense", "bitmap", "offsets32", "offsets16")
+_ALIGN = 8
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _index_nbytes(kind: int, n: int, m: int) -> int:
+    return {DENSE: 0, BITMAP: -(-n // 8), OFFSETS32: 4 * m, OFFSETS16: 2 * m}[kind]
+
+
+def payload_nbytes(kind: int, n: int, m: int, itemsize: int) -> int:
+    """Bytes of one region's payload in ``kind`` (its index part padded to 8)."""
+    if kind == DENSE:
+        return n * itemsize
+    if m == 0:
+        return 0
+    return _aligned(_index_nbytes(kind, n, m)) + m * itemsize
+
+
+def cheapest(n: int, m: int, itemsize: int, *, sparse: bool = True) -> int:
+    """The encoding of fewest payload bytes (dense on a tie; dense only if not
+    ``sparse``)."""
+    if not sparse:
+        return DENSE
+    kinds = [DENSE, OFFSETS16, OFFSETS32, BITMAP] if n <= 1 << 16 else [DENSE, OFFSETS32,
+                                                                         BITMAP]
+    return min(kinds, key=lambda k: (payload_nbytes(k, n, m, itemsize), k != DENSE))
+
+
+@dataclass
+class Encoded:
+    """One region, encoded: ``parts`` laid end to end (each 8-aligned) are its payload;
+    ``index`` (flat positions of the changed elements, None for dense) and ``values``
+    are kept to update the sender's copy once the version is committed."""
+
+    kind: int
+    count: int  # changed elements (dense: the region's whole size)
+    nbytes: int
+    parts: list[torch.Tensor]  # uint8
+    index: torch.Tensor | None
+    values: torch.Tensor
+
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Which elements of two flat tensors of one dtype differ, bit for bit."""
+    width = _INT[new.element_size()]
+    return new.view(width) != old.view(width)
+
+
+def encode(new: torch.Tensor, old: torch.Tensor, *, sparse: bool = True) -> Encoded:
+    """``new`` against ``old`` (flat, contiguous, one dtype): the cheapest encoding."""
+    n, itemsize = new.numel(), new.element_size()
+    mask = changed(new, old)
+    m = int(torch.count_nonzero(mask))
+    kind = cheapest(n, m, itemsize, sparse=sparse)
+    if kind == DENSE:
+        return Encoded(DENSE, m, n * itemsize, [_bytes(new)], None, new)
+    index = mask.nonzero().view(-1)
+    values = new[index]
+    if kind == BITMAP:
+        head = pack_bits(mask)
+    else:
+        head = _bytes(index.to(torch.int32 if kind == OFFSETS32 else torch.int16))
+    return Encoded(kind, m, payload_nbytes(kind, n, m, itemsize), [head, _bytes(values)],
+                   index, values)
+
+
+def write_payload(enc: Encoded, out: torch.Tensor) -> None:
+    """Lay ``enc``'s parts into ``out`` (uint8, ``enc.nbytes`` long)."""
+    if enc.nbytes == 0:  # nothing changed: no payload
+        return
+    pos = 0
+    for part in enc.parts:
+        pos = _aligned(pos)
+        out[pos:pos + part.numel()].copy_(part)
+        pos += part.numel()
+
+
+def decode(kind: int, n: int, m: int, payload: torch.Tensor, dtype: torch.dtype
+           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(flat positions or None for dense, values)`` of one region's payload."""
+    itemsize = dtype.itemsize
+    if kind == DENSE:
+        return None, payload[:n * itemsize].view(dtype)
+    if m == 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype)
+    head = _index_nbytes(kind, n, m)
+    start = _aligned(head)
+    values = payload[start:start + m * itemsize].view(dtype)
+    if kind == BITMAP:
+        index = unpack_bits(payload[:head], n).nonzero().view(-1)
+    elif kind == OFFSETS32:
+        index = payload[:head].view(torch.int32).to(torch.int64)
+    else:
+        index = payload[:head].view(torch.int16).to(torch.int64) & 0xFFFF
+    return index, values
+
+
+def apply(region: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
+    """Write decoded values into ``region`` (a view, any strides): all of it for dense,
+    else the elements at the flat (row-major) positions ``index``."""
+    if index is None:
+        region.copy_(values.view(region.shape))
+        return
+    if index.numel() == 0:
+        return
+    if region.is_contiguous():
+        region.view(-1)[index] = values
+        return
+    region.index_put_(_unravel(index, region.shape), values)
+
+
+def _unravel(index: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(index % size)
+        index = index // size
+    return tuple(reversed(out))
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bytes, element ``i`` at bit ``i % 8`` of byte ``i // 8``."""
+    n = mask.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask
+    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bits of :func:`pack_bits`'s bytes, as a bool vector."""
+    bits = packed.unsqueeze(1) & _BITS.to(packed.device)
+    return bits.view(-1)[:n] != 0
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)

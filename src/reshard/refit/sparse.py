@@ -1,0 +1,150 @@
+"""Sparse refits: after a committed version, send only the engine-dtype values that
+changed, region by region, and commit as every refit does (``docs/sparse.md``).
+
+Trainer side: each rank keeps, for every region it sends (the planned transfers of the
+flat schedule, cut to the staging budget), the engine-dtype values it sent at the last
+committed version: one copy of its shard in the engine's dtype
+(:attr:`SparseRefits.state_bytes`). At a refit it compares what it would send now with
+that copy, bit for bit, and sends each region in its cheapest exact encoding
+(:mod:`reshard._transport.sparse`): dense, a bitmap and the values, or sorted offsets
+and the values; never a delta. No gather: each rank encodes only its own shard; a
+replicated region is sent by the one sender the plan chose, as in a dense refit.
+
+Receiver side: the changed values land in the receiver's staging (its shadow, or the
+caller's direct buffers), which holds the last version received whole; then the refit
+commits as every refit does (never torn). A sparse region is only valid on top of the
+version it was computed from: every rank says, in the refit's first collective, which
+version its copy or staging holds whole (its *base*), and a sender encodes sparse only
+to receivers whose base equals its own; the others get their regions dense in the same
+refit. A sender's copy advances only once every rank of both jobs confirmed the
+commit; a failed refit leaves it as it was, and leaves each receiver without a base
+(its staging may hold part of the failed version), so its next refit comes dense.
+
+Per round and per rank pair, two messages: a header (each region's encoding and
+count, the payload's length and, with a checksum option, its digest), then the payload.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from reshard.errors import ConfigError
+from reshard.executor import SparseStats
+
+__all__ = ["SPARSE_MODES", "SparseRefits", "SparseStats", "sparse_summary"]
+
+SPARSE_MODES = ("auto", "on", "off")
+SPARSE_METHODS = ("reshard", "p2p")  # the executors whose tensors a sparse refit carries
+AUTO_DENSE_ABOVE = 0.5
+"""``sparse="auto"``: a sparse refit whose wire bytes exceeded this fraction of the dense
+bytes on a trainer rank makes that rank ask for dense refits for a while."""
+AUTO_BACKOFF = 4
+"""... for this many refits (its copy is still refreshed), then it tries sparse again."""
+
+
+class SparseRefits:
+    """One rank's sparse-refit state across refits: its mode, its base, a transport
+    per executor that carries sparse refits (made when first needed)."""
+
+    def __init__(self, mode: str | None) -> None:
+        if mode is not None and mode not in SPARSE_MODES:
+            raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {mode!r}")
+        self.mode = mode  # None on a receiver: it follows the senders
+        self.force_dense = False  # the next refit dense (RefitSender.refit(dense=True))
+        self.fp8 = False  # the meeting planned FP8 blocks: dense refits only, no copy
+        self.reset()
+
+    def reset(self) -> None:
+        """A new meeting: no base, no copy."""
+        self.base: int | None = None
+        self.transports: dict[int, Any] = {}  # executor -> its sparse runner
+        self._pending: dict[int, list] = {}
+        self._skip = 0
+        self.last_ratio: float | None = None
+
+    def view(self, fp8: bool) -> tuple[int | None, bool]:
+        """What this rank says in the refit's first collective: its base, and (a
+        trainer rank) whether it asks for a sparse refit."""
+        self.fp8 = fp8
+        wants = not fp8 and not self.force_dense and (
+            self.mode == "on" or (self.mode == "auto" and not self._skip))
+        return self.base, wants
+
+    @staticmethod
+    def decide(views: list[tuple[int | None, bool] | None]) -> dict[int, int | None] | None:
+        """Every rank's base if this refit goes sparse, else None (alike on every rank):
+        sparse when a trainer rank that asks for it shares its base with a receiver."""
+        asked = {v[0] for v in views if v is not None and v[1] and v[0] is not None}
+        if not any(v is not None and not v[1] and v[0] in asked for v in views):
+            return None
+        return {r: v[0] for r, v in enumerate(views) if v is not None}
+
+    def transport(self, ex) -> Any:
+        """``ex``'s sparse runner, kept here so that :meth:`reset` lets go of it."""
+        self.transports[id(ex)] = tr = ex.sparse_runner()
+        return tr
+
+    def run(self, ex, src, dst, bases: dict[int, int | None], deadline: float | None
+            ) -> SparseStats:
+        tr = self.transport(ex)
+        tr.deadline = deadline
+        me = bases.get(ex.comm.rank)
+        sparse_to = {p for p, b in bases.items() if me is not None and b == me}
+        stats, pending = tr.run(src, dst, sparse_to=sparse_to)
+        self._pending[id(ex)] = pending
+        return stats
+
+    @property
+    def keeps_copy(self) -> bool:
+        return self.mode in ("on", "auto") and not self.fp8
+
+    def committed(self, version: int, src, executors, stats: SparseStats | None) -> None:
+        """Every rank confirmed ``version``: the copy (sender) and the base advance."""
+        if self.mode is None:  # a receiver: its staging holds the version whole
+            self.base = version
+            return
+        if not self.keeps_copy:
+            return
+        t0 = time.perf_counter()
+        for ex in executors:
+            if ex.method not in SPARSE_METHODS:
+                continue
+            pending = self._pending.pop(id(ex), None)
+            tr = self.transport(ex)
+            tr.refresh(src) if pending is None else tr.advance(src, pending)
+        self.base = version
+        self._auto(stats)
+        if stats is not None:
+            stats.state_bytes = self.state_bytes()
+            stats.copy_seconds = time.perf_counter() - t0
+
+    def _auto(self, stats: SparseStats | None) -> None:
+        if stats is not None and stats.used and stats.dense_bytes:
+            self.last_ratio = stats.wire_bytes / stats.dense_bytes
+            if self.mode == "auto" and self.last_ratio > AUTO_DENSE_ABOVE:
+                self._skip = AUTO_BACKOFF
+                return
+        self._skip = max(0, self._skip - 1)
+
+    def failed(self) -> None:
+        """The refit failed: the sender's copy stays; a receiver's staging may hold part
+        of the failed version, so it has no base until a refit lands whole."""
+        self._pending.clear()
+        if self.mode is None:
+            self.base = None
+
+    def state_bytes(self) -> int:
+        return sum(t.state_bytes for t in self.transports.values())
+
+
+def sparse_summary(stats: SparseStats | None) -> dict[str, Any] | None:
+    """A refit's :class:`SparseStats` as plain data (an engine's ``reshard_last``), or
+    None when the refit was dense."""
+    if stats is None or not stats.used:
+        return None
+    return {"changed_fraction": stats.changed_fraction, "elements": stats.elements,
+            "changed": stats.changed, "dense_bytes": stats.dense_bytes,
+            "wire_bytes": stats.wire_bytes, "bytes_by_encoding": dict(stats.bytes_by_encoding),
+            "regions_by_encoding": dict(stats.regions_by_encoding),
+            "dense_peers": list(stats.dense_peers), "seconds": stats.detect_seconds}
