@@ -1,7 +1,7 @@
 """The trainer job of the vLLM refit tests (and a template for a real one)::
 
     python _vllm_trainer_job.py MODEL_DIR PORT OUT_DIR --shard fsdp|tp --steps N [--fail-at K]
-        [--inference-size TP]
+        [--inference-size TP] [--sparse auto|on|off] [--lr LR]
 
 Two gloo ranks load a transformers model (float32 master weights), shard it with FSDP2
 or tensor parallelism, and take ``N`` AdamW steps on a fixed token batch. After each
@@ -24,6 +24,7 @@ import torch
 import reshard as R
 from reshard.integrations import hf
 from reshard.refit import RefitSender
+from reshard.refit.sparse import sparse_summary
 from reshard.tools.launch import run_processes
 
 FAIL_NAME = "model.layers.1.self_attn.o_proj.weight"
@@ -52,7 +53,7 @@ def batch(step: int, vocab: int) -> torch.Tensor:
 
 def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shard: str,
             steps: int, fail_at: int, lr: float, method: str = "reshard",
-            inference_size: int = 2) -> list[dict]:
+            inference_size: int = 2, sparse: str = "off") -> list[dict]:
     torch.manual_seed(0)
     model = hf.load_model(model_dir, torch.float32)
     (hf.shard_fsdp2 if shard == "fsdp" else hf.shard_tp)(model)
@@ -61,7 +62,7 @@ def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shar
     sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
                          trainer_size=world, inference_size=inference_size,
                          policy={name: method for name in layouts},
-                         timeout=timedelta(seconds=120))
+                         timeout=timedelta(seconds=120), sparse=sparse)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     log = []
     for step in range(1, steps + 1):
@@ -79,7 +80,7 @@ def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shar
         try:
             stats = sender.refit(step)
             log.append({"step": step, "ok": True, "loss": float(loss), "sent": stats.bytes_sent,
-                        "seconds": stats.seconds})
+                        "seconds": stats.seconds, "sparse": sparse_summary(stats.sparse)})
         except R.TransferError as e:
             log.append({"step": step, "ok": False, "error": str(e)[:300]})
     sender.comm.close()
@@ -97,10 +98,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--method", default="reshard", help="every tensor's refit method")
     ap.add_argument("--inference-size", type=int, default=2, help="vLLM's TP size")
+    ap.add_argument("--sparse", default="off", help="the sender's sparse mode")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     logs = run_processes(trainer, 2, a.model_dir, a.port, a.out_dir, a.shard, a.steps,
-                         a.fail_at, a.lr, a.method, a.inference_size, timeout=300)
+                         a.fail_at, a.lr, a.method, a.inference_size, a.sparse, timeout=300)
     print(json.dumps(logs), flush=True)
 
 

@@ -235,7 +235,8 @@ def _job_env(token: str | None) -> dict[str, str]:
 def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
                fail_at: int = -1, path: str = "extension", staging: str = "shadow",
                dtype: str = "float32", method: str = "reshard",
-               token: str | None = None, **init_options) -> tuple[list, list]:
+               token: str | None = None, job_args: tuple[str, ...] = (),
+               **init_options) -> tuple[list, list]:
     """Trainer job vs the engine; per step: refit outcome, generation, checks input.
     ``token``: the trainer job has it in ``$RESHARD_TOKEN``, the engine gets it in its
     init (neither the engine nor its workers have it in their environment).
@@ -248,7 +249,7 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
     with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
         job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
                                 "--shard", shard, "--steps", str(steps),
-                                "--fail-at", str(fail_at), "--method", method],
+                                "--fail-at", str(fail_at), "--method", method, *job_args],
                                stdout=so, stderr=se, env=_job_env(token))
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
@@ -504,12 +505,24 @@ def test_family_refits_and_matches_a_fresh_engine(engines, tmp_path, kind, shard
     """Llama (tensor-parallel trainer, fp32) and Qwen2 (q/k/v biases, FSDP2 trainer, a
     bf16 engine: fp32 master weights cast on send): after each refit every logical
     weight is what vLLM's own loaders make of the step's state, each rank receives what
-    it expects, and the engine answers bit for bit as a fresh engine of that step."""
-    records, trainer = run_refits(engines, tmp_path, kind, shard, steps=2, dtype=dtype)
+    it expects, and the engine answers bit for bit as a fresh engine of that step.
+
+    Qwen2 refits sparse (``sparse="on"``, AdamW at lr 1e-5, an RL step: most bf16
+    values round back unchanged): the first refit is dense, the second sends only the
+    changed values, sparse-encoded, into the engine's logical buffers and shadow; its
+    weights are then those a dense refit lands (the loaders' check) and its answers a
+    fresh engine's."""
+    sparse = kind == "qwen2"
+    records, trainer = run_refits(engines, tmp_path, kind, shard, steps=2, dtype=dtype,
+                                  job_args=("--sparse", "on", "--lr", "1e-5") if sparse else ())
     for step, rec in enumerate(records, 1):
         for res in rec["res"]:
             assert res["ok"] and res["committed"] and res["version"] == step, res
-            assert res["bytes_received"] == res["expected_bytes"] > 0
+            if sparse and step > 1:
+                check_sparse(res)
+            else:
+                assert res["bytes_received"] == res["expected_bytes"] > 0
+                assert res["sparse"] is None
         assert not any(s["stale"] for s in rec["status"])
         for v in rec["verify"]:
             assert v["mismatched"] == [] and v["checked"] > 0, v
@@ -520,6 +533,16 @@ def test_family_refits_and_matches_a_fresh_engine(engines, tmp_path, kind, shard
     fresh = fresh_engine_answers(engines, engines.dirs[kind], tmp_path / "out" / "step2.pt",
                                  tmp_path, dtype)
     assert (records[-1]["tokens"], records[-1]["lps"]) == fresh
+
+
+def check_sparse(res: dict) -> None:
+    """A sparse refit into one engine rank: a fraction of the bf16 values changed, that
+    fraction of the bytes arrived (as ``reshard_last`` reports it), sparse-encoded."""
+    sparse = res["sparse"]
+    assert 0 < sparse["changed_fraction"] < 0.2, sparse
+    assert sparse["dense_bytes"] == res["expected_bytes"]
+    assert res["bytes_received"] == sparse["wire_bytes"] < 0.3 * sparse["dense_bytes"], sparse
+    assert set(sparse["regions_by_encoding"]) - {"dense"}, sparse
 
 
 def test_colocated_trainer_refits_vllm_through_shared_memory(engines, tmp_path):

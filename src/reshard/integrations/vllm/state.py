@@ -86,6 +86,7 @@ from reshard.integrations.vllm.mapping import (
 )
 from reshard.integrations.vllm.memory import HeapBound, reset_peak_rss, rss_bytes
 from reshard.integrations.vllm.verify import Checks
+from reshard.refit.sparse import sparse_summary
 
 __all__ = ["ReshardState", "check_heap_slack", "map_or_explain", "require_plugin"]
 
@@ -375,7 +376,8 @@ class ReshardState(Commit, Checks):
                      "staging_bytes": stats.peak_staging_bytes, "rss_extra_start": rss_start,
                      "peak_rss_extra_receive": self._peak_extra(),
                      "forwards_during_receive": self.forwards - forward_at_start,
-                     "prepare_seconds": self.prepare_seconds}
+                     "prepare_seconds": self.prepare_seconds,
+                     "sparse": sparse_summary(stats.sparse)}
         return self.last
 
     def _peak_extra(self) -> int | None:
