@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -85,8 +86,11 @@ def test_a_wrong_token_is_refused_and_learns_only_a_nonce(gated):
     # refused rank said why on a second connection (a notice the host's ranks watch for)
     assert _eventually(lambda: "refused 3" in refusals(host))
     assert host.door.refused == 3 and host.door.accepted == 0
-    assert "refused 3 connection(s), the last: a wrong token from 127.0.0.1:" in \
-        refusals(host)
+    # the last of them is the raw handshake's or the notice's: the gate takes connections
+    # on threads of its own, and the refused rank's notice may be counted after the
+    # handshake that followed it (seen on a loaded host)
+    assert re.search(r"refused 3 connection\(s\), the last: (a wrong token|a rank that said "
+                     r"it holds a different token) from 127\.0\.0\.1:", refusals(host))
     assert token_notice(host) == "other"
 
 
