@@ -1,0 +1,210 @@
+"""Sparse against dense refits, in the same run: wire bytes and refit time at a given
+fraction of changed engine-dtype values (issue 39).
+
+    PYTHONPATH=src python benchmarks/sparse_refit.py [--model qwen3-0.6b] [--layers N]
+        [--fractions 0.001,0.01,0.05,0.2,0.5,1] [--repeats 3] [--out FILE.json]
+
+Two jobs of local processes meet as a refit does: a trainer of 2 gloo ranks holding
+fp32 master weights FSDP-style (every tensor's rows split over the ranks) and an
+engine of 2 ranks holding bf16 weights as vLLM TP2 holds them (q/k/v, gate/up and the
+vocabulary split by rows, o and down by columns, norms whole), into plain tensors
+through a shadow (no vLLM: the transfer and the receivers' commit, not vLLM's). The
+shapes are the model's (``--layers`` keeps fewer of its decoder layers).
+
+Before each timed refit every trainer rank changes each of its elements with the given
+probability (drawn anew each time, each changed enough to change its bf16 value), so
+the fraction is of bf16 values changed since the last committed version. One sender
+with ``sparse="on"`` alternates sparse refits and dense ones (``refit(..., dense=True)``,
+the same transfer as ``sparse="off"``); a dense refit's time here excludes the copy
+that keeps the sender's base (reported apart, ``copy s``). Reported per fraction: the
+trainer ranks' wire bytes against the dense bytes, the median refit time (the
+trainer's ``refit()``: its check, detection and encoding, the messages, the receivers'
+decoding and applying, the commit), the detection time (the slower trainer rank), and
+which encodings the regions took. At the end the engine's weights after the last
+sparse refit are compared, bit for bit, with those a dense refit of the same values
+leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+import reshard as R
+from reshard.comm import free_port
+from reshard.refit import RefitReceiver, RefitSender
+
+MODELS = {  # hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151936, True),
+    "tiny": (256, 512, 4, 4, 2, 64, 4096, False),
+}
+JOBS = dict(host="127.0.0.1", trainer_size=2, inference_size=2)
+
+
+def tensors(model: str, layers: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, how the engine splits it: "rows", "cols" or "whole")."""
+    h, inter, n, heads, kv, hd, vocab, tied = MODELS[model]
+    vocab = -(-vocab // 128) * 128  # both sides split it evenly
+    out = {"model.embed_tokens.weight": ((vocab, h), "rows"), "model.norm.weight": ((h,), "whole")}
+    if not tied:
+        out["lm_head.weight"] = ((vocab, h), "rows")
+    for i in range(layers if layers is not None else n):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": ((heads * hd, h), "rows"),
+                    p + "self_attn.k_proj.weight": ((kv * hd, h), "rows"),
+                    p + "self_attn.v_proj.weight": ((kv * hd, h), "rows"),
+                    p + "self_attn.o_proj.weight": ((h, heads * hd), "cols"),
+                    p + "mlp.gate_proj.weight": ((inter, h), "rows"),
+                    p + "mlp.up_proj.weight": ((inter, h), "rows"),
+                    p + "mlp.down_proj.weight": ((h, inter), "cols"),
+                    p + "input_layernorm.weight": ((h,), "whole"),
+                    p + "post_attention_layernorm.weight": ((h,), "whole")})
+    return out
+
+
+def layouts(specs, side: str) -> dict[str, R.Layout]:
+    mesh = R.Mesh([0, 1])
+    if side == "trainer":  # FSDP: dim 0 split over the ranks, fp32
+        return {n: R.Layout(shape, mesh, [R.Shard(0)]) for n, (shape, _) in specs.items()}
+    place = {"rows": [R.Shard(0)], "cols": [R.Shard(1)], "whole": [R.Replicate()]}
+    return {n: R.Layout(shape, mesh, place[how], "bfloat16") for n, (shape, how) in specs.items()}
+
+
+def change(params: dict[str, torch.Tensor], fraction: float, g: torch.Generator) -> None:
+    """Change each element with probability ``fraction`` (all of them at 1) by enough
+    to change its bf16 value: two bf16 ulps up."""
+    for t in params.values():
+        flat = t.view(-1)
+        if fraction >= 1:
+            flat.mul_(1 + 2 ** -6).add_(2 ** -20)
+            continue
+        idx = (torch.rand(flat.numel(), generator=g) < fraction).nonzero().view(-1)
+        flat[idx] = flat[idx] * (1 + 2 ** -6) + 2 ** -20
+
+
+def trainer(rank, port, args, out):
+    torch.set_num_threads(args.threads)
+    specs = tensors(args.model, args.layers)
+    lays = layouts(specs, "trainer")
+    g = torch.Generator().manual_seed(rank)
+    params = {n: torch.randn(lay.local_shape(rank), generator=g) * 0.02 for n, lay in lays.items()}
+    sender = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="on", **JOBS)
+    version = 1
+    sender.refit(version)  # the first refit: dense, the sender's copy made
+    rows = []
+    for fraction in args.fractions:
+        got = {"sparse": [], "dense": []}
+        for _ in range(args.repeats):
+            for kind in ("sparse", "dense"):
+                change(params, fraction, g)
+                version += 1
+                stats = sender.refit(version, dense=kind == "dense")
+                got[kind].append(stats)
+        rows.append((fraction, got))
+    change(params, 0.01, g)  # a sparse refit, then the same values dense: no change
+    sender.refit(version + 1)
+    sender.refit(version + 2, dense=True)
+    out.put(("trainer", rank, [(f, {k: [_plain(s) for s in v] for k, v in got.items()})
+                               for f, got in rows], sender.sparse_refits.state_bytes()))
+
+
+def _plain(s) -> dict:
+    sp = s.sparse
+    return {"seconds": s.seconds, "sent": s.bytes_sent, "used": sp.used,
+            "dense_bytes": sp.dense_bytes, "changed": sp.changed, "elements": sp.elements,
+            "detect": sp.detect_seconds, "copy": sp.copy_seconds,
+            "encodings": dict(sp.regions_by_encoding)}
+
+
+def engine(rank, port, args, out):
+    torch.set_num_threads(args.threads)
+    specs = tensors(args.model, args.layers)
+    lays = layouts(specs, "engine")
+    served = {n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16)
+              for n, lay in lays.items()}
+    receiver = RefitReceiver(served, lays, rank=rank, port=port, **JOBS)
+    receiver.refit()
+    for _ in range(len(args.fractions) * args.repeats * 2 + 1):
+        receiver.refit()
+    after_sparse = {n: t.clone() for n, t in served.items()}  # the last was sparse, then
+    receiver.refit()  # the same values, dense
+    same = all(torch.equal(after_sparse[n].view(torch.int16), t.view(torch.int16))
+               for n, t in served.items())
+    out.put(("engine", rank, same, receiver.shadow_bytes))
+
+
+def run(args) -> dict:
+    ctx, port = mp.get_context("fork"), free_port()
+    out = ctx.Queue()
+    jobs = [ctx.Process(target=f, args=(r, port, args, out)) for f in (trainer, engine)
+            for r in (0, 1)]
+    for p in jobs:
+        p.start()
+    got = [out.get(timeout=3600) for _ in jobs]
+    for p in jobs:
+        p.join(60)
+    trainers = {r: rows for side, r, rows, _ in got if side == "trainer"}
+    return {"trainers": trainers, "state_bytes": {r: b for side, r, _, b in got
+                                                  if side == "trainer"},
+            "engine_same": all(same for side, _, same, _ in got if side == "engine")}
+
+
+def table(result: dict, args) -> str:
+    lines = ["| changed | sparse bytes | dense bytes | bytes ratio | sparse s | dense s | "
+             "time ratio | detect s | copy s | encodings (regions) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    per_rank = list(result["trainers"].values())
+    for i, fraction in enumerate(args.fractions):
+        def col(kind, key, agg=sum, rows=per_rank, i=i):
+            return [agg(r[i][1][kind][j][key] for r in rows) for j in range(args.repeats)]
+        sp_bytes, de_bytes = col("sparse", "sent")[-1], col("dense", "sent")[-1]
+        sp_s = statistics.median(col("sparse", "seconds", max))
+        de_s = statistics.median([a - b for a, b in zip(col("dense", "seconds", max),
+                                                         col("dense", "copy", max))])
+        detect = statistics.median(col("sparse", "detect", max))
+        copy = statistics.median(col("dense", "copy", max))
+        enc: dict[str, int] = {}
+        for r in per_rank:
+            for k, v in r[i][1]["sparse"][-1]["encodings"].items():
+                enc[k] = enc.get(k, 0) + v
+        lines.append(f"| {fraction:.1%} | {sp_bytes / 1e6:,.2f} MB | {de_bytes / 1e6:,.1f} MB | "
+                     f"{sp_bytes / de_bytes:.3f}x | {sp_s:.3f} | {de_s:.3f} | "
+                     f"{sp_s / de_s:.2f}x | {detect:.3f} | {copy:.3f} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(enc.items()))} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers kept")
+    ap.add_argument("--fractions", default="0.001,0.01,0.05,0.2,0.5,1")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (4 "
+                    "processes share the host: more than its cores oversubscribe it)")
+    args = ap.parse_args()
+    args.fractions = [float(x) for x in args.fractions.split(",")]
+    t0 = time.perf_counter()
+    result = run(args)
+    specs = tensors(args.model, args.layers)
+    numel = sum(torch.Size(s).numel() for s, _ in specs.values())
+    print(f"{args.model}, {len(specs)} tensors, {numel / 1e6:.1f} M elements "
+          f"({numel * 2 / 1e6:.0f} MB in bf16); trainer 2 ranks fp32 -> engine TP2 bf16; "
+          f"{args.repeats} repeats, medians; {time.perf_counter() - t0:.0f} s in all")
+    print(table(result, args))
+    print(f"trainer copy (state) bytes per rank: {result['state_bytes']}; engine after the "
+          f"last sparse refit equal to a dense refit's: {result['engine_same']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), **result}, f)
+
+
+if __name__ == "__main__":
+    main()
