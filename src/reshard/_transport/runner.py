@@ -353,17 +353,7 @@ class RankRunner:
 
     # -- deadline and checksums ----------------------------------------------------------
     def _wait(self, work: Any) -> None:
-        """Wait for one message; with a deadline (gloo), never past it."""
-        if self.deadline is None:
-            work.wait()
-            return
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError("the refit deadline passed while waiting for a message")
-        if self.comm.backend == "gloo":
-            work.wait(timedelta(seconds=left))
-        else:  # NCCL: wait() only orders streams; its watchdog enforces the group timeout
-            work.wait()
+        wait_for(work, self.deadline, self.comm.backend)
 
     def _finish_early(self, k: int, works: list[Any]) -> None:
         meta = self._early_meta.get(k, [])
@@ -430,3 +420,17 @@ def _device_of(*maps: Mapping[str, torch.Tensor]) -> torch.device:
         for t in m.values():
             return t.device
     return torch.device("cpu")
+
+
+def wait_for(work: Any, deadline: float | None, backend: str) -> None:
+    """Wait for one message; with a deadline (``time.monotonic()``, gloo), never past it."""
+    if deadline is None:
+        work.wait()
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RuntimeError("the refit deadline passed while waiting for a message")
+    if backend == "gloo":
+        work.wait(timedelta(seconds=left))
+    else:  # NCCL: wait() only orders streams; its watchdog enforces the group timeout
+        work.wait()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from reshard._transport import sparse as codec
 from reshard._transport.integrity import digest
+from reshard._transport.runner import wait_for
 from reshard._transport.views import RegionViews
 from reshard.errors import TransferError
 from reshard.schedule import Hop, flat_schedule
@@ -286,13 +286,4 @@ class SparseRunner:
         return torch.device("cpu")
 
     def _wait(self, work: Any) -> None:
-        if self.deadline is None:
-            work.wait()
-            return
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError("the refit deadline passed while waiting for a message")
-        if self.comm.backend == "gloo":
-            work.wait(timedelta(seconds=left))
-        else:
-            work.wait()
+        wait_for(work, self.deadline, self.comm.backend)
