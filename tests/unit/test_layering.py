@@ -104,7 +104,8 @@ def graph() -> dict[str, set[str]]:
 
 #: Packages of the optional extras (pyproject.toml): a module that needs one may be
 #: left unimported where it is not installed (``make test`` installs them all).
-OPTIONAL = {"vllm", "megatron", "ray", "rich", "matplotlib", "transformers"}
+OPTIONAL = {"vllm", "megatron", "ray", "rich", "matplotlib", "transformers", "trl", "accelerate",
+            "datasets"}
 
 
 def test_every_module_imports():

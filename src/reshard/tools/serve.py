@@ -39,14 +39,16 @@ __all__ = ["Server", "serve_argv", "serve_env"]
 
 def serve_argv(model: str | Path, *, port: int, host: str = "127.0.0.1", tp: int = 2,
                dtype: str = "bfloat16", max_model_len: int = MAX_MODEL_LEN,
-               kv_cache_bytes: int = KV_CACHE_BYTES, extra: Sequence[str] = ()) -> list[str]:
-    """The server's command line (see the module's docs)."""
+               kv_cache_bytes: int = KV_CACHE_BYTES, tokenizer: bool = False,
+               extra: Sequence[str] = ()) -> list[str]:
+    """The server's command line (see the module's docs); ``tokenizer``: load the model's
+    tokenizer (its OpenAI routes, ``/v1/completions``, need one) instead of token ids only."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--tensor-parallel-size", str(tp), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--host", host, "--port", str(port),
             "--weight-transfer-config", json.dumps({"backend": "reshard"}),
             "--worker-extension-cls", "reshard.integrations.vllm.ReshardWorkerExtension",
-            "--enable-scale-out", "--skip-tokenizer-init",
+            "--enable-scale-out", *(() if tokenizer else ("--skip-tokenizer-init",)),
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0", *extra]
 
 
