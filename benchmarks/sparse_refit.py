@@ -2,14 +2,18 @@
 fraction of changed engine-dtype values (issue 39).
 
     PYTHONPATH=src python benchmarks/sparse_refit.py [--model qwen3-0.6b] [--layers N]
-        [--fractions 0.001,0.01,0.05,0.2,0.5,1] [--repeats 3] [--out FILE.json]
+        [--fractions 0.001,0.01,0.05,0.2,0.5,1] [--repeats 3] [--link-mbit R]
+        [--out FILE.json]
 
 Two jobs of local processes meet as a refit does: a trainer of 2 gloo ranks holding
 fp32 master weights FSDP-style (every tensor's rows split over the ranks) and an
 engine of 2 ranks holding bf16 weights as vLLM TP2 holds them (q/k/v, gate/up and the
 vocabulary split by rows, o and down by columns, norms whole), into plain tensors
 through a shadow (no vLLM: the transfer and the receivers' commit, not vLLM's). The
-shapes are the model's (``--layers`` keeps fewer of its decoder layers).
+shapes are the model's (``--layers`` keeps fewer of its decoder layers). By default
+all four share loopback, a wire as fast as memory; ``--link-mbit R`` (root) puts the
+trainer on one emulated node and the engine on another (network namespaces), every
+byte between them crossing a link shaped to ``R`` Mbit/s each way, as between nodes.
 
 Before each timed refit every trainer rank changes each of its elements with the given
 probability (drawn anew each time, each changed enough to change its bf16 value), so
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -88,13 +93,25 @@ def change(params: dict[str, torch.Tensor], fraction: float, g: torch.Generator)
         flat[idx] = flat[idx] * (1 + 2 ** -6) + 2 ** -20
 
 
+def _node(args, side: str) -> dict:
+    """Enter this side's emulated node (``--link-mbit``); the jobs' meeting arguments."""
+    if args.nodes is None:
+        return JOBS
+    from reshard.tools.netns import enter_namespace
+
+    enter_namespace(args.nodes[side == "engine"])
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    return {**JOBS, "host": args.host}
+
+
 def trainer(rank, port, args, out):
+    jobs = _node(args, "trainer")
     torch.set_num_threads(args.threads)
     specs = tensors(args.model, args.layers)
     lays = layouts(specs, "trainer")
     g = torch.Generator().manual_seed(rank)
     params = {n: torch.randn(lay.local_shape(rank), generator=g) * 0.02 for n, lay in lays.items()}
-    sender = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="on", **JOBS)
+    sender = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="on", **jobs)
     version = 1
     sender.refit(version)  # the first refit: dense, the sender's copy made
     rows = []
@@ -123,12 +140,13 @@ def _plain(s) -> dict:
 
 
 def engine(rank, port, args, out):
+    jobs = _node(args, "engine")
     torch.set_num_threads(args.threads)
     specs = tensors(args.model, args.layers)
     lays = layouts(specs, "engine")
     served = {n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16)
               for n, lay in lays.items()}
-    receiver = RefitReceiver(served, lays, rank=rank, port=port, **JOBS)
+    receiver = RefitReceiver(served, lays, rank=rank, port=port, **jobs)
     receiver.refit()
     for _ in range(len(args.fractions) * args.repeats * 2 + 1):
         receiver.refit()
@@ -140,6 +158,17 @@ def engine(rank, port, args, out):
 
 
 def run(args) -> dict:
+    args.nodes = None
+    if not args.link_mbit:
+        return _run(args)
+    from reshard.tools.netns import EmulatedCluster
+
+    with EmulatedCluster(2, rate_mbit=args.link_mbit) as cluster:
+        args.nodes, args.host = [cluster.ns_name(0), cluster.ns_name(1)], cluster.node_addr(0)
+        return _run(args)
+
+
+def _run(args) -> dict:
     ctx, port = mp.get_context("fork"), free_port()
     out = ctx.Queue()
     jobs = [ctx.Process(target=f, args=(r, port, args, out)) for f in (trainer, engine)
@@ -186,6 +215,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers kept")
     ap.add_argument("--fractions", default="0.001,0.01,0.05,0.2,0.5,1")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-mbit", type=float, default=None, help="trainer and engine on "
+                    "two emulated nodes joined by a link of this rate (needs root)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (4 "
                     "processes share the host: more than its cores oversubscribe it)")
@@ -195,9 +226,11 @@ def main() -> None:
     result = run(args)
     specs = tensors(args.model, args.layers)
     numel = sum(torch.Size(s).numel() for s, _ in specs.values())
+    wire = f"{args.link_mbit:g} Mbit/s between two emulated nodes" if args.link_mbit else "loopback"
     print(f"{args.model}, {len(specs)} tensors, {numel / 1e6:.1f} M elements "
           f"({numel * 2 / 1e6:.0f} MB in bf16); trainer 2 ranks fp32 -> engine TP2 bf16; "
-          f"{args.repeats} repeats, medians; {time.perf_counter() - t0:.0f} s in all")
+          f"{args.repeats} repeats, medians; {time.perf_counter() - t0:.0f} s in all; wire: "
+          f"{wire}")
     print(table(result, args))
     print(f"trainer copy (state) bytes per rank: {result['state_bytes']}; engine after the "
           f"last sparse refit equal to a dense refit's: {result['engine_same']}")

@@ -2,8 +2,8 @@
 columns, a replicated norm), one process each, in a few seconds: after the first
 (dense) refit only the changed bf16 values travel, every version lands bit for bit;
 an engine rank without the base gets dense while the other gets sparse, in the same
-refit; a trainer failing midway leaves the previous version live and the trainer's
-copy where it was; the next refit is exact again; ``sparse="auto"`` goes dense after a
+refit; a trainer failing midway leaves the previous version live and no rank with a
+base; the next refit is dense and exact again; ``sparse="auto"`` goes dense after a
 refit where sparse did not pay."""
 
 from __future__ import annotations

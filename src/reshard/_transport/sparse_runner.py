@@ -53,8 +53,8 @@ class SparseStats:
     state_bytes: int = 0
     """Sender: the engine-dtype copy it keeps to detect changes."""
     copy_seconds: float = 0.0
-    """Sender: keeping that copy once the version was committed (applying the changes,
-    or copying whole after a dense refit)."""
+    """Sender: keeping that copy after a dense refit (each region cast into it once the
+    version was committed); a sparse refit updates it as it encodes."""
 
     @property
     def changed_fraction(self) -> float:
@@ -85,24 +85,47 @@ class SparseStats:
         self.changed += count
 
 
+SMALL_DENSE = 64 << 10
+"""A region sent dense travels in its round's body below this many bytes; from it up,
+as a message of its own, straight from the sender's copy into the receiver's region
+(when contiguous), with no packing copy on either side."""
+SAMPLE_ABOVE = 0.5
+"""A region more than this fraction of which changed at the last refit is first
+compared on one row in :data:`SAMPLE_EVERY` ..."""
+SAMPLE_EVERY = 16
+DENSE_SAMPLED = 0.9
+"""... and sent dense, without the full comparison, when more than this fraction of the
+sample changed (exact either way: a dense region is all its values)."""
+
+
 class SparseRunner:
     """One rank's sparse refits of one plan: the regions it sends and receives (the
-    flat schedule's hops), the copy of what it sent, the messages."""
+    flat schedule's hops), the copy of what it sent, the messages.
+
+    The copy is updated as each region is encoded (the changed values written into it,
+    or, for a region sent dense, the new values cast straight into it and sent from
+    there), so a committed refit leaves nothing to do, and a refit that fails leaves the
+    copy part new: the caller drops its base then (:meth:`SparseRefits.failed`)."""
 
     def __init__(self, plan, comm, *, budget_bytes: int, staging_bytes: int | None,
                  checksum: str | None = None, digest_key: bytes | None = None) -> None:
         self.comm, self.rank = comm, comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
         schedule = flat_schedule(plan, budget_bytes, staging_bytes)
-        mine = [(k, [h for h in hops if self.rank in (h.src_rank, h.dst_rank)])
-                for k, hops in enumerate(schedule.rounds)]
-        self.rounds = [(k, hops) for k, hops in mine if hops]
-        self.views = RegionViews((h for _, hops in self.rounds for h in hops), self.rank,
-                                 self.dtypes)
-        self.sends = [h for _, hops in self.rounds for h in hops
-                      if h.src_rank == self.rank and not h.is_local]
+        self.budget = budget_bytes
+        mine = [[h for h in hops if self.rank in (h.src_rank, h.dst_rank)]
+                for hops in schedule.rounds]
+        self.views = RegionViews((h for hops in mine for h in hops), self.rank, self.dtypes)
+        self.local = [h for hops in mine for h in hops if h.is_local]
+        # per peer, the schedule's rounds of hops to it (from it): a step of a refit
+        # carries as many of them as fit the budget once encoded
+        self.out_units = _units(mine, lambda h: h.src_rank == self.rank, lambda h: h.dst_rank)
+        self.in_units = _units(mine, lambda h: h.dst_rank == self.rank, lambda h: h.src_rank)
+        self.sends = [h for p in sorted(self.out_units) for u in self.out_units[p] for h in u]
         self._slot = {id(h): i for i, h in enumerate(self.sends)}
         self.last: list[torch.Tensor | None] = [None] * len(self.sends)
+        self._frac: list[float] = [1.0] * len(self.sends)  # changed at the last refit
+        self._work: dict[tuple, torch.Tensor] = {}  # scratch: (dtype, device) -> buffer
         self.checksum, self.digest_key = checksum, digest_key
         self.deadline: float | None = None
         self.broken = False  # the last run failed in the transport
@@ -115,57 +138,85 @@ class SparseRunner:
         return sum(t.numel() * t.element_size() for t in self.last if t is not None)
 
     # -- the sender's copy -------------------------------------------------------------
-    def _new(self, h: Hop) -> torch.Tensor:
-        """What this rank sends for ``h`` now, flat, in the engine's dtype."""
-        flat = self.views.read(h).to(self.dtypes[h.name]).contiguous().reshape(-1)
-        if flat.numel() and flat.stride(0) != 1:  # a size-1 dim may carry any stride
-            flat = flat.as_strided((flat.numel(),), (1,))
-        return flat
+    def _copy(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Region ``i``'s copy (flat), and whether it held a value before."""
+        h, last = self.sends[i], self.last[i]
+        n = h.nbytes // self.dtypes[h.name].itemsize
+        if last is not None and last.numel() == n and last.device == like.device:
+            return last, True
+        self.last[i] = torch.empty(n, dtype=self.dtypes[h.name], device=like.device)
+        return self.last[i], False
 
     def refresh(self, src) -> None:
-        """Copy every region this rank sends, as it is now (after a dense refit)."""
+        """Copy every region this rank sends, as it is now (after a dense refit): each
+        cast straight into the copy."""
         self.views.bind(src, {})
         try:
             with torch.no_grad():
                 for i, h in enumerate(self.sends):
-                    new = self._new(h)
-                    if self.last[i] is None or self.last[i].numel() != new.numel():
-                        self.last[i] = new.clone()
-                    else:
-                        self.last[i].copy_(new)
+                    read = self.views.read(h)
+                    self._copy(i, read)[0].view(h.size).copy_(read)
+                    self._frac[i] = 1.0
         finally:
             self.views.unbind()
 
-    def advance(self, src, pending: list[tuple[int, Any, Any]]) -> None:
-        """The refit whose ``pending`` changes :meth:`run` returned was committed
-        everywhere: apply them to the copy (regions sent dense are read again)."""
-        self.views.bind(src, {})
-        try:
-            with torch.no_grad():
-                for i, index, values in pending:
-                    if index is None:
-                        self.last[i].copy_(self._new(self.sends[i]))
-                    elif index.numel():
-                        self.last[i][index.to(torch.int64)] = values
-        finally:
-            self.views.unbind()
+    def _scratch(self, dtype: torch.dtype, device, n: int) -> torch.Tensor:
+        key = (dtype, device)
+        buf = self._work.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._work[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+    def _likely_dense(self, i: int, h: Hop, read: torch.Tensor, last: torch.Tensor) -> bool:
+        """Region ``i`` changed mostly at the last refit and does in a sample now."""
+        if (self._frac[i] <= SAMPLE_ABOVE or read.dim() < 2
+                or read.shape[0] < 2 * SAMPLE_EVERY):
+            return False
+        part = read[::SAMPLE_EVERY]
+        new = self._scratch(last.dtype, read.device, part.numel()).view(part.shape)
+        new.copy_(part)
+        mask = self._scratch(torch.bool, read.device, part.numel()).view(part.shape)
+        m = codec.diff(new, last.view(h.size)[::SAMPLE_EVERY], mask)
+        return m > DENSE_SAMPLED * part.numel()
+
+    def _encode_region(self, i: int, h: Hop, sparse: bool) -> codec.Encoded:
+        """Region ``i`` now, against its copy, in its cheapest encoding (dense if not
+        ``sparse``); the copy becomes it."""
+        read = self.views.read(h)
+        last, held = self._copy(i, read)
+        n = last.numel()
+        if not (sparse and held) or self._likely_dense(i, h, read, last):
+            last.view(h.size).copy_(read)  # cast straight into the copy, sent from there
+            self._frac[i] = 1.0
+            return codec.Encoded(codec.DENSE, n, h.nbytes, [last.view(torch.uint8)], None,
+                                 last)
+        new = self._scratch(last.dtype, read.device, n)
+        new.view(h.size).copy_(read)
+        enc = codec.encode(new, last, mask=self._scratch(torch.bool, read.device, n),
+                           update=True)
+        self._frac[i] = enc.count / n if n else 0.0
+        return enc
 
     # -- one refit ---------------------------------------------------------------------
-    def run(self, src, dst, *, sparse_to: set[int]) -> tuple[SparseStats, list]:
+    def run(self, src, dst, *, sparse_to: set[int]) -> SparseStats:
         """Move this rank's regions, sparse to the peers in ``sparse_to`` (whose base is
-        this rank's), dense to the others. Returns the stats and the changes to apply to
-        the copy once the refit is committed (:meth:`advance`)."""
+        this rank's), dense to the others; the copy is updated as it goes."""
         self._runs += 1
         self.broken, self.read_error, self.corrupt = False, None, None
-        stats, pending = SparseStats(used=True), []
+        stats = SparseStats(used=True)
         self.views.bind(src, dst)
+        out_at, in_at = dict.fromkeys(self.out_units, 0), dict.fromkeys(self.in_units, 0)
         try:
-            for k, hops in self.rounds:
-                self._round(k, hops, sparse_to, stats, pending)
-                stats.rounds += 1
+            with torch.no_grad():
+                for h in self.local:
+                    self.views.write(h).copy_(self.views.read(h))
+                while (any(at < len(self.out_units[p]) for p, at in out_at.items())
+                       or any(at < len(self.in_units[p]) for p, at in in_at.items())):
+                    self._step(stats.rounds, out_at, in_at, sparse_to, stats)
+                    stats.rounds += 1
         except RuntimeError as e:  # a peer died or timed out
             self.broken = True
-            raise TransferError(f"rank {self.rank}: sparse transfer failed in round "
+            raise TransferError(f"rank {self.rank}: sparse transfer failed in step "
                                 f"{stats.rounds}: {str(e).splitlines()[0]}") from e
         finally:
             self.views.unbind()
@@ -177,106 +228,145 @@ class SparseRunner:
                                 f"({self.read_error!r}); its peers got placeholder bytes and "
                                 "this refit must be discarded") from self.read_error
         stats.dense_peers = tuple(sorted({h.dst_rank for h in self.sends} - sparse_to))
-        return stats, pending
+        return stats
 
-    def _round(self, k: int, hops: list[Hop], sparse_to: set[int], stats: SparseStats,
-               pending: list) -> None:
-        sends: dict[int, list[Hop]] = {}
-        recvs: dict[int, list[Hop]] = {}
-        for h in hops:
-            if h.is_local:
-                self.views.write(h).copy_(self.views.read(h))
-            elif h.src_rank == self.rank:
-                sends.setdefault(h.dst_rank, []).append(h)
-            else:
-                recvs.setdefault(h.src_rank, []).append(h)
+    def _step(self, k: int, out_at: dict[int, int], in_at: dict[int, int],
+              sparse_to: set[int], stats: SparseStats) -> None:
+        """One step: with every peer still owed something, a header each way, then the
+        messages; ``out_at`` / ``in_at``: each peer's next unit, advanced."""
         device = self._device()
-        outgoing = {p: self._encode(k, p, hs, p in sparse_to, stats, pending, device)
-                    for p, hs in sorted(sends.items())}
-        heads = {p: torch.empty(2 + 2 * len(hs), dtype=torch.int64, device=device)
-                 for p, hs in sorted(recvs.items())}
+        outgoing = {}
+        for p, at in sorted(out_at.items()):
+            if at < len(self.out_units[p]):
+                head, parts, used = self._encode(k, p, self.out_units[p][at:], p in sparse_to,
+                                                 stats, device)
+                outgoing[p], out_at[p] = (head, parts), at + used
+        heads = {p: torch.empty(_head_len(self.in_units[p][at:]), dtype=torch.int64,
+                                device=device)
+                 for p, at in sorted(in_at.items()) if at < len(self.in_units[p])}
         for w in self.comm.exchange([(head, p) for p, (head, _) in outgoing.items()],
                                     [(t, p) for p, t in heads.items()], _TAG + 2 * k):
             self._wait(w)
-        payloads = {p: torch.empty(int(t[0]), dtype=torch.uint8, device=device)
-                    for p, t in heads.items()}
+        incoming = {}
+        for p, t in heads.items():
+            head = t.tolist()
+            units = self.in_units[p][in_at[p]:in_at[p] + head[0]]
+            in_at[p] += head[0]
+            hops = [h for u in units for h in u]
+            incoming[p] = (hops, head[1:3 + 2 * len(hops)], *self._receivers(hops, head[1:],
+                                                                                device))
         for w in self.comm.exchange(
-                [(body, p) for p, (_, body) in outgoing.items() if body.numel()],
-                [(t, p) for p, t in payloads.items() if t.numel()], _TAG + 2 * k + 1):
+                [(t, p) for p, (_, parts) in outgoing.items() for t in parts],
+                [(t, p) for p, (_, _, parts, _) in incoming.items() for t in parts],
+                _TAG + 2 * k + 1):
             self._wait(w)
-        for p, head in heads.items():
-            self._apply(k, p, recvs[p], head.tolist(), payloads[p], stats)
+        for p, (hops, head, parts, temps) in incoming.items():
+            self._apply(k, p, hops, head, parts, temps, stats)
 
-    def _encode(self, k: int, peer: int, hops: list[Hop], sparse: bool, stats: SparseStats,
-                pending: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, k: int, peer: int, units: list[list[Hop]], sparse: bool,
+                stats: SparseStats, device) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """The header and the messages to ``peer`` this step, and how many of ``units``
+        they carry (as many as fit the budget once encoded, at least one): a body (the
+        sparse regions and small dense ones), then each larger dense region alone."""
         t0 = time.perf_counter()
-        encs = []
-        for h in hops:
-            i = self._slot[id(h)]
-            try:
-                new = self._new(h)
-            except Exception as e:  # keep the protocol whole: the peer gets placeholders
-                self.read_error = self.read_error or e
-                new = torch.zeros(h.nbytes // self.dtypes[h.name].itemsize,
-                                  dtype=self.dtypes[h.name], device=device)
-            old = self.last[i]
-            if old is None or old.numel() != new.numel() or self.read_error is not None:
-                enc = codec.Encoded(codec.DENSE, new.numel(), h.nbytes,
-                                    [new.view(torch.uint8)], None, new)
-            else:
-                enc = codec.encode(new, old, sparse=sparse)
-            encs.append(enc)
-            pending.append((i, None if enc.index is None else enc.index.to(torch.int32),
-                            None if enc.index is None else enc.values))
-            stats.add(enc.kind, enc.nbytes, enc.count, new.numel())
-            stats.dense_bytes += h.nbytes
+        encs, size, used = [], 0, 0
+        for unit in units:
+            if used and size >= self.budget:
+                break
+            used += 1
+            for h in unit:
+                size += self._encode_hop(h, sparse, encs, stats, device)
+        inline = [e for e in encs if not _alone(e.kind, e.nbytes)]
         offsets, pos = [], 0
-        for enc in encs:
+        for enc in inline:
             pos = -(-pos // 8) * 8
             offsets.append(pos)
             pos += enc.nbytes
         body = torch.empty(pos, dtype=torch.uint8, device=device)
-        for enc, off in zip(encs, offsets):
+        for enc, off in zip(inline, offsets):
             codec.write_payload(enc, body[off:off + enc.nbytes])
+        parts = ([body] if pos else []) + [e.parts[0] for e in encs if _alone(e.kind, e.nbytes)]
         items = [x for enc in encs for x in (enc.kind, enc.count)]
-        head = torch.tensor([pos, self._digest(k, self.rank, peer, items, body), *items],
-                            dtype=torch.int64, device=device)
-        stats.wire_sent += pos + head.numel() * 8
+        head = torch.zeros(_head_len(units), dtype=torch.int64, device=device)
+        head[:3 + len(items)] = torch.tensor(
+            [used, pos, self._digest(k, self.rank, peer, items, parts), *items])
+        stats.wire_sent += sum(t.numel() for t in parts) + head.numel() * 8
         stats.detect_seconds += time.perf_counter() - t0
-        return head, body
+        return head, parts, used
+
+    def _encode_hop(self, h: Hop, sparse: bool, encs: list, stats: SparseStats, device
+                    ) -> int:
+        """Encode one region into ``encs``; its bytes on the wire."""
+        try:
+            enc = self._encode_region(self._slot[id(h)], h, sparse)
+        except Exception as e:  # keep the protocol whole: the peer gets placeholders
+            self.read_error = self.read_error or e
+            zeros = torch.zeros(h.nbytes, dtype=torch.uint8, device=device)
+            n = h.nbytes // self.dtypes[h.name].itemsize
+            enc = codec.Encoded(codec.DENSE, n, h.nbytes, [zeros], None, zeros)
+        encs.append(enc)
+        stats.add(enc.kind, enc.nbytes, enc.count, h.nbytes // self.dtypes[h.name].itemsize)
+        stats.dense_bytes += h.nbytes
+        return enc.nbytes
+
+    def _receivers(self, hops: list[Hop], head: list[int], device
+                   ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """Where the messages from one peer land: the body, then each dense region sent
+        alone, into the region itself when contiguous, else into a buffer (``temps``)."""
+        parts, temps = [], {}
+        if head[0]:
+            parts.append(torch.empty(head[0], dtype=torch.uint8, device=device))
+        for j, h in enumerate(hops):
+            if not _alone(head[2 + 2 * j], h.nbytes):
+                continue
+            region = self.views.write(h)
+            if region.is_contiguous():
+                parts.append(region.view(-1).view(torch.uint8))
+            else:
+                temps[j] = torch.empty(h.nbytes, dtype=torch.uint8, device=device)
+                parts.append(temps[j])
+        return parts, temps
 
     def _apply(self, k: int, peer: int, hops: list[Hop], head: list[int],
-               body: torch.Tensor, stats: SparseStats) -> None:
+               parts: list[torch.Tensor], temps: dict[int, torch.Tensor],
+               stats: SparseStats) -> None:
         t0 = time.perf_counter()
         items = head[2:]
-        if self.checksum and head[1] != self._digest(k, peer, self.rank, items, body):
+        if self.checksum and head[1] != self._digest(k, peer, self.rank, items, parts):
             self.corrupt = self.corrupt or (f"checksum mismatch on the sparse message from "
-                                            f"rank {peer} in round {k} ({self.checksum})")
+                                            f"rank {peer} in step {k} ({self.checksum})")
             return
+        body = parts[0] if head[0] else None
         pos = 0
         for j, h in enumerate(hops):
             kind, count = items[2 * j], items[2 * j + 1]
             dtype = self.dtypes[h.name]
-            itemsize = dtype.itemsize
-            n = h.nbytes // itemsize
-            size = codec.payload_nbytes(kind, n, count, itemsize)
-            pos = -(-pos // 8) * 8
-            index, values = codec.decode(kind, n, count, body[pos:pos + size], dtype)
-            codec.apply(self.views.write(h), index, values)
-            pos += size
+            n = h.nbytes // dtype.itemsize
+            size = codec.payload_nbytes(kind, n, count, dtype.itemsize)
+            if _alone(kind, size):
+                if j in temps:
+                    self.views.write(h).copy_(temps[j].view(dtype).view(h.size))
+            else:
+                pos = -(-pos // 8) * 8
+                index, values = codec.decode(kind, n, count, body[pos:pos + size], dtype)
+                codec.apply(self.views.write(h), index, values)
+                pos += size
             stats.add(kind, size, count, n)
             stats.dense_bytes += h.nbytes
-        stats.wire_received += body.numel() + len(head) * 8
+        stats.wire_received += sum(t.numel() for t in parts) + len(head) * 8
         stats.detect_seconds += time.perf_counter() - t0
 
     def _digest(self, k: int, src: int, dst: int, items: list[int],
-                body: torch.Tensor) -> int:
+                parts: list[torch.Tensor]) -> int:
         if not self.checksum:
             return 0
         context = b"sparse|%d|%d|%d|%d" % (self._runs, k, src, dst)
         head = torch.tensor(items, dtype=torch.int64)
-        return (digest(body, self.checksum, key=self.digest_key, context=context)
-                ^ digest(head, self.checksum, key=self.digest_key, context=context + b"|h"))
+        out = digest(head, self.checksum, key=self.digest_key, context=context + b"|h")
+        for j, part in enumerate(parts):
+            out ^= digest(part, self.checksum, key=self.digest_key,
+                          context=context + b"|%d" % j)
+        return out
 
     def _device(self) -> torch.device:
         for names, tensors in ((self.views.src_names, self.views.src),
@@ -287,3 +377,27 @@ class SparseRunner:
 
     def _wait(self, work: Any) -> None:
         wait_for(work, self.deadline, self.comm.backend)
+
+
+def _units(rounds: list[list[Hop]], mine, peer_of) -> dict[int, list[list[Hop]]]:
+    """Per peer, the hops of each round that ``mine`` keeps (rounds without any left out)."""
+    out: dict[int, list[list[Hop]]] = {}
+    for hops in rounds:
+        by_peer: dict[int, list[Hop]] = {}
+        for h in hops:
+            if not h.is_local and mine(h):
+                by_peer.setdefault(peer_of(h), []).append(h)
+        for p, hs in by_peer.items():
+            out.setdefault(p, []).append(hs)
+    return out
+
+
+def _head_len(units: list[list[Hop]]) -> int:
+    """A step's header: units carried, body length, digest, then (encoding, count) per
+    region; long enough for all of ``units``."""
+    return 3 + 2 * sum(len(u) for u in units)
+
+
+def _alone(kind: int, nbytes: int) -> bool:
+    """Whether a region travels as a message of its own (dense, large)."""
+    return kind == codec.DENSE and nbytes >= SMALL_DENSE

@@ -16,9 +16,10 @@ commits as every refit does (never torn). A sparse region is only valid on top o
 version it was computed from: every rank says, in the refit's first collective, which
 version its copy or staging holds whole (its *base*), and a sender encodes sparse only
 to receivers whose base equals its own; the others get their regions dense in the same
-refit. A sender's copy advances only once every rank of both jobs confirmed the
-commit; a failed refit leaves it as it was, and leaves each receiver without a base
-(its staging may hold part of the failed version), so its next refit comes dense.
+refit. A sender's copy is updated as it encodes (no second copy, nothing to do at the
+commit); its base advances only once every rank of both jobs confirmed the commit. A
+failed refit leaves every rank without a base (a receiver's staging, like the sender's
+copy, may hold part of the failed version), so the next refit comes dense.
 
 Per round and per rank pair, two messages: a header (each region's encoding and
 count, the payload's length and, with a checksum option, its digest), then the payload.
@@ -59,7 +60,7 @@ class SparseRefits:
         """A new meeting: no base, no copy."""
         self.base: int | None = None
         self.transports: dict[int, Any] = {}  # executor -> its sparse runner
-        self._pending: dict[int, list] = {}
+        self._ran: set[int] = set()  # executors this refit ran sparse (copy kept as sent)
         self._skip = 0
         self.last_ratio: float | None = None
 
@@ -91,9 +92,8 @@ class SparseRefits:
         tr.deadline = deadline
         me = bases.get(ex.comm.rank)
         sparse_to = {p for p, b in bases.items() if me is not None and b == me}
-        stats, pending = tr.run(src, dst, sparse_to=sparse_to)
-        self._pending[id(ex)] = pending
-        return stats
+        self._ran.add(id(ex))
+        return tr.run(src, dst, sparse_to=sparse_to)
 
     @property
     def keeps_copy(self) -> bool:
@@ -108,11 +108,9 @@ class SparseRefits:
             return
         t0 = time.perf_counter()
         for ex in executors:
-            if ex.method not in SPARSE_METHODS:
-                continue
-            pending = self._pending.pop(id(ex), None)
-            tr = self.transport(ex)
-            tr.refresh(src) if pending is None else tr.advance(src, pending)
+            if ex.method in SPARSE_METHODS and id(ex) not in self._ran:
+                self.transport(ex).refresh(src)  # a dense refit: its copy made now
+        self._ran.clear()
         self.base = version
         self._auto(stats)
         if stats is not None:
@@ -128,11 +126,10 @@ class SparseRefits:
         self._skip = max(0, self._skip - 1)
 
     def failed(self) -> None:
-        """The refit failed: the sender's copy stays; a receiver's staging may hold part
-        of the failed version, so it has no base until a refit lands whole."""
-        self._pending.clear()
-        if self.mode is None:
-            self.base = None
+        """The refit failed: a receiver's staging and a sender's copy may hold part of
+        the failed version, so neither has a base until a refit lands whole."""
+        self._ran.clear()
+        self.base = None
 
     def state_bytes(self) -> int:
         return sum(t.state_bytes for t in self.transports.values())
