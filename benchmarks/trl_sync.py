@@ -13,9 +13,12 @@ model (issue 42), in one run:
   (c) the gather a 2-rank FSDP2 trainer adds to (b) on every rank: ``full_tensor()`` of
       every parameter (2 gloo processes).
 
+"engine stopped": the trainer-measured pause (overlapped: from the end of its send to the
+committed swap; stop-the-world: the whole round); "the swap": the engine ranks' own figure.
 One torch thread a process. Prints a table; ``--out DIR`` keeps the JSON.
 
     .venv/bin/python benchmarks/trl_sync.py [--steps 5] [--reps 10] [--out DIR]
+        [--table DIR/trl_sync.json]
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ def served(model: Path, steps: int, out: Path, stop_the_world: bool) -> list[dic
                        timeout=1800)["refits"]
 
 
-def colocate(model: Path, reps: int) -> list[float]:
-    """(b): TRL's colocate sync into an in-process engine, ``reps`` times (seconds)."""
+def colocate(model: Path, reps: int) -> dict:
+    """(b): TRL's colocate sync into an in-process engine, ``reps`` times (seconds). TRL's
+    own loop (``model.load_weights`` a tensor at a time) is tried first; where vLLM CPU has
+    repacked the linear weights (dropping their ``weight_loader``: AVX-512 hosts) it fails,
+    and the same tensors go through vLLM's in-place ``reload_weights`` instead (what its own
+    weight-transfer engines call), whose time is the figure."""
     from vllm import LLM
 
     from reshard.tools.rl_task import KV_CACHE_BYTES, MAX_MODEL_LEN
@@ -53,19 +60,27 @@ def colocate(model: Path, reps: int) -> list[float]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     llm = LLM(model=str(model), tensor_parallel_size=1, dtype="bfloat16", seed=0,
               max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES)
-    engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     trainer = hf.load_model(model, torch.float32)
-    times = []
+    out: dict = {"trl_loop_error": None, "seconds": []}
     for _ in range(reps):
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(1e-3)  # a training step's change
         t0 = time.perf_counter()
-        for name, param in trainer.named_parameters():  # TRL: one tensor a call
-            engine_model.load_weights([(name, param.data)])
+        if out["trl_loop_error"] is None:
+            try:
+                for name, param in trainer.named_parameters():  # TRL: a tensor a call
+                    runner.model.load_weights([(name, param.data)])
+            except AttributeError as e:
+                out["trl_loop_error"] = f"{type(e).__name__}: {e}"
+                t0 = time.perf_counter()
+        if out["trl_loop_error"] is not None:
+            runner.reload_weights(weights_iterator=(
+                (n, p.data) for n, p in trainer.named_parameters()))
         llm.reset_prefix_cache()
-        times.append(time.perf_counter() - t0)
-    return times
+        out["seconds"].append(time.perf_counter() - t0)
+    return out
 
 
 def _gather_rank(rank: int, port: int, model: str, reps: int, out: str) -> None:
@@ -107,7 +122,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--table", type=Path, default=None, help="print a run's table again")
     a = ap.parse_args()
+    if a.table is not None:
+        return print_table(json.loads(a.table.read_text()), a.reps)
     torch.set_num_threads(1)
     out = a.out or Path(tempfile.mkdtemp(prefix="trl_sync_"))
     model = hf.build_tiny_model(out / "model", "qwen3")
@@ -119,21 +137,27 @@ def main() -> None:
     res["gather"] = gathers(model, a.reps, out)
     res["colocate"] = colocate(model, a.reps)
     write_json(out / "trl_sync.json", res)
-    print(f"tiny Qwen3 ({mb:.1f} MB bf16), medians; JSON in {out}")
-    print("| path | sync (s) | engine paused (s) | trainer-measured pause (s) |")
+    print(f"JSON in {out}")
+    print_table(res, a.reps)
+
+
+def print_table(res: dict, reps: int) -> None:
+    """The table of docs/trl.md (``--table JSON`` prints it again from a run's JSON)."""
+    print(f"tiny Qwen3 ({res['model_mb']:.1f} MB bf16), medians")
+    print("| path | sync (s) | engine stopped (s) | of which the swap (s) |")
     print("|---|---|---|---|")
     for mode in ("overlapped", "stop-the-world"):
         r = res[mode]
         print(f"| reshard, server TP2, 2 FSDP2 ranks, {mode} ({len(r)} refits) | "
               f"{median([f['seconds'] for f in r]):.3f} | "
-              f"{median([f['engine_swap_seconds'] for f in r]):.3f} | "
-              f"{median([f['pause_seconds'] for f in r]):.3f} |")
-    c, g = median(res["colocate"]), median(res["gather"])
-    print(f"| TRL colocate, in-process load_weights, 1 rank ({a.reps} syncs) | {c:.3f} | "
+              f"{median([f['pause_seconds'] for f in r]):.3f} | "
+              f"{median([f['engine_swap_seconds'] for f in r]):.3f} |")
+    c, g = median(res["colocate"]["seconds"]), median(res["gather"])
+    how = ("load_weights" if res["colocate"]["trl_loop_error"] is None else
+           "reload_weights (TRL's own load_weights loop fails here)")
+    print(f"| TRL colocate, in-process {how}, 1 rank ({reps} syncs) | {c:.3f} | {c:.3f} | - |")
+    print(f"| the same + the FSDP2 gather of every tensor (2 ranks: {g:.3f}) | {c + g:.3f} | "
           f"{c:.3f} | - |")
-    print(f"| + the FSDP2 gather of every tensor a 2-rank trainer adds | {c + g:.3f} "
-          f"(gather {g:.3f}) | {c:.3f} | - |")
-
 
 if __name__ == "__main__":
     main()

@@ -62,7 +62,9 @@ def test_trl_trains_through_reshard_and_the_server_answers_as_a_fresh_engine(run
     # every rank sent its own shards; no tensor was gathered while training
     assert result["gathered"] == 0
     assert [f["version"] for f in result["rank1_refits"]] == versions
-    assert all(f["bytes_sent"] > 0 for f in refits + result["rank1_refits"])
+    for mine, theirs in zip(refits, result["rank1_refits"]):  # each its own half, or so
+        both = mine["bytes_sent"] + theirs["bytes_sent"]
+        assert 0.4 * both <= mine["bytes_sent"] <= 0.6 * both, (mine, theirs)
     # TRL trained: a loss each step, and the weights moved
     assert sum("loss" in e for e in result["log"]) == STEPS, result["log"]
     assert _outputs(r["answers"]) != _outputs(r["before"])
