@@ -261,7 +261,8 @@ class Side:
         except BaseException:
             self.sparse_refits.failed()
             raise
-        self.sparse_refits.committed(version, src, self.executors, moved.sparse)
+        self.sparse_refits.committed(version, src, self.executors, moved.sparse,
+                                     time.perf_counter() - t0)
         return RefitStats(version, time.perf_counter() - t0, moved.sent, moved.received,
                           moved.rounds, moved.staging, amax, t_quant, moved.sparse)
 

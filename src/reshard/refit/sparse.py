@@ -39,9 +39,12 @@ SPARSE_MODES = ("auto", "on", "off")
 SPARSE_METHODS = ("reshard", "p2p")  # the executors whose tensors a sparse refit carries
 AUTO_DENSE_ABOVE = 0.5
 """``sparse="auto"``: a sparse refit whose wire bytes exceeded this fraction of the dense
-bytes on a trainer rank makes that rank ask for dense refits for a while."""
+bytes on a trainer rank, or that took that rank longer than its last dense refit, makes
+that rank send dense for a while ..."""
 AUTO_BACKOFF = 4
-"""... for this many refits (its copy is still refreshed), then it tries sparse again."""
+"""... for this many refits, then it tries sparse again. Its dense refits go through the
+sparse transport, every region dense, cast straight into its copy and sent from there:
+the copy is kept at no extra pass."""
 
 
 class SparseRefits:
@@ -62,15 +65,15 @@ class SparseRefits:
         self.transports: dict[int, Any] = {}  # executor -> its sparse runner
         self._ran: set[int] = set()  # executors this refit ran sparse (copy kept as sent)
         self._skip = 0
+        self._encoded_sparse = False  # this refit sent some peer sparse regions
+        self._dense_seconds: float | None = None  # the last dense refit's time (auto)
         self.last_ratio: float | None = None
 
     def view(self, fp8: bool) -> tuple[int | None, bool]:
         """What this rank says in the refit's first collective: its base, and (a
         trainer rank) whether it asks for a sparse refit."""
         self.fp8 = fp8
-        wants = not fp8 and not self.force_dense and (
-            self.mode == "on" or (self.mode == "auto" and not self._skip))
-        return self.base, wants
+        return self.base, not fp8 and not self.force_dense and self.mode in ("on", "auto")
 
     @staticmethod
     def decide(views: list[tuple[int | None, bool] | None]) -> dict[int, int | None] | None:
@@ -92,6 +95,9 @@ class SparseRefits:
         tr.deadline = deadline
         me = bases.get(ex.comm.rank)
         sparse_to = {p for p, b in bases.items() if me is not None and b == me}
+        if self.mode == "auto" and self._skip:  # backing off: every region dense
+            sparse_to = set()
+        self._encoded_sparse = self._encoded_sparse or bool(sparse_to)
         self._ran.add(id(ex))
         return tr.run(src, dst, sparse_to=sparse_to)
 
@@ -99,8 +105,10 @@ class SparseRefits:
     def keeps_copy(self) -> bool:
         return self.mode in ("on", "auto") and not self.fp8
 
-    def committed(self, version: int, src, executors, stats: SparseStats | None) -> None:
-        """Every rank confirmed ``version``: the copy (sender) and the base advance."""
+    def committed(self, version: int, src, executors, stats: SparseStats | None,
+                  seconds: float = 0.0) -> None:
+        """Every rank confirmed ``version`` (its refit took this rank ``seconds``): the
+        copy (sender) and the base advance."""
         if self.mode is None:  # a receiver: its staging holds the version whole
             self.base = version
             return
@@ -112,23 +120,29 @@ class SparseRefits:
                 self.transport(ex).refresh(src)  # a dense refit: its copy made now
         self._ran.clear()
         self.base = version
-        self._auto(stats)
+        self._auto(stats if self._encoded_sparse else None, seconds)
+        self._encoded_sparse = False
         if stats is not None:
             stats.state_bytes = self.state_bytes()
             stats.copy_seconds = time.perf_counter() - t0
 
-    def _auto(self, stats: SparseStats | None) -> None:
-        if stats is not None and stats.used and stats.dense_bytes:
-            self.last_ratio = stats.wire_bytes / stats.dense_bytes
-            if self.mode == "auto" and self.last_ratio > AUTO_DENSE_ABOVE:
-                self._skip = AUTO_BACKOFF
-                return
-        self._skip = max(0, self._skip - 1)
+    def _auto(self, sparse: SparseStats | None, seconds: float) -> None:
+        """After a committed refit (``sparse``: its stats if it sent sparse regions):
+        back off when sparse did not pay, in bytes or in this rank's time."""
+        if sparse is None or not sparse.dense_bytes:
+            self._dense_seconds = seconds
+            self._skip = max(0, self._skip - 1)
+            return
+        self.last_ratio = sparse.wire_bytes / sparse.dense_bytes
+        slower = self._dense_seconds is not None and seconds > self._dense_seconds
+        if self.mode == "auto" and (self.last_ratio > AUTO_DENSE_ABOVE or slower):
+            self._skip = AUTO_BACKOFF
 
     def failed(self) -> None:
         """The refit failed: a receiver's staging and a sender's copy may hold part of
         the failed version, so neither has a base until a refit lands whole."""
         self._ran.clear()
+        self._encoded_sparse = False
         self.base = None
 
     def state_bytes(self) -> int:
