@@ -24,13 +24,18 @@ def test_a_server_url_is_required():
         ReshardWeightTransfer("localhost:8000")
 
 
-def test_trls_own_stream_is_refused_before_anything_moves():
-    transfer = ReshardWeightTransfer("http://127.0.0.1:1")
+def test_trls_own_trainers_and_stream_are_refused_before_anything_moves():
+    """A transfer no reshard trainer holds is refused at TRL's first call (train begin,
+    before the server is asked), and so is TRL's own stream of gathered tensors."""
+    transfer = ReshardWeightTransfer("http://127.0.0.1:1")  # nothing listens there
+    with pytest.raises(ConfigError, match="TRL's own trainers stream full tensors.*"
+                                          "ReshardAsyncGRPOTrainer"):
+        transfer.init_weight_transfer()
     gathered = iter([("model.embed_tokens.weight", torch.zeros(2, 2))])
-    with pytest.raises(ConfigError, match="TRL's own parameter stream.*ReshardAsyncGRPOTrainer"):
+    with pytest.raises(ConfigError, match="got a list_iterator: TRL's own trainers"):
         transfer.send_weights(gathered)
     other = ReshardWeightTransfer("http://127.0.0.1:1").stream(torch.nn.Linear(2, 2))
-    with pytest.raises(ConfigError, match="a ReshardStream"):
+    with pytest.raises(ConfigError, match="got a ReshardStream"):
         transfer.send_weights(other)
     assert transfer.engine is None and transfer.version == 0
 
@@ -59,6 +64,7 @@ def test_a_server_without_the_reshard_backend_is_refused(backend):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         transfer = ReshardWeightTransfer(f"http://127.0.0.1:{httpd.server_port}")
+        transfer.bound = True  # as the reshard trainers mark it
         with pytest.raises(ConfigError, match=f"weight-transfer backend {backend!r}.*"
                                               r"--weight-transfer-config"):
             transfer.init_weight_transfer()

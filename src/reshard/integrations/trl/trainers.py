@@ -32,10 +32,12 @@ __all__ = ["ReshardAsyncGRPOTrainer", "ReshardGRPOTrainer", "ReshardVLLMClient",
            "ReshardVLLMGeneration"]
 
 
-def _checked(transfer: Any) -> ReshardWeightTransfer:
+def _bound(transfer: Any) -> ReshardWeightTransfer:
+    """``transfer``, checked and marked as held by a trainer whose stream is its own."""
     if not isinstance(transfer, ReshardWeightTransfer):
         raise ConfigError("expected a reshard.integrations.trl.ReshardWeightTransfer (made "
                           f"on every trainer rank), got {type(transfer).__name__}")
+    transfer.bound = True
     return transfer
 
 
@@ -45,7 +47,7 @@ class ReshardAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def __init__(self, *args: Any, weight_transfer: ReshardWeightTransfer, **kwargs: Any
                  ) -> None:
-        self.reshard = _checked(weight_transfer)
+        self.reshard = _bound(weight_transfer)
         super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
 
     def _streaming_iter(self) -> ReshardStream:
@@ -57,7 +59,7 @@ class ReshardVLLMClient(VLLMClient):
     through ``transfer`` instead of an NCCL group with the server."""
 
     def __init__(self, transfer: ReshardWeightTransfer, **kwargs: Any) -> None:
-        self.transfer = _checked(transfer)
+        self.transfer = _bound(transfer)
         super().__init__(**kwargs)
 
     def init_communicator(self, device: Any = 0) -> None:
@@ -80,7 +82,7 @@ class ReshardVLLMGeneration(VLLMGeneration):
     through :class:`ReshardVLLMClient` and every rank streams through the transfer."""
 
     def __init__(self, *args: Any, transfer: ReshardWeightTransfer, **kwargs: Any) -> None:
-        self.transfer = _checked(transfer)
+        self.transfer = _bound(transfer)
         super().__init__(*args, **kwargs)
         if self.mode == "server":  # TRL walks the stream once for names: nothing to walk
             self._weight_metadata = []
@@ -108,7 +110,7 @@ class ReshardGRPOTrainer(GRPOTrainer):
     :class:`ReshardWeightTransfer`, made on every rank); everything else is TRL's."""
 
     def __init__(self, *args: Any, transfer: ReshardWeightTransfer, **kwargs: Any) -> None:
-        _checked(transfer)
+        _bound(transfer)
 
         def generation(*a: Any, **kw: Any) -> ReshardVLLMGeneration:
             return ReshardVLLMGeneration(*a, transfer=transfer, **kw)

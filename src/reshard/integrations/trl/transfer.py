@@ -69,13 +69,18 @@ class ReshardWeightTransfer:
         self.inference_size, self.overlap, self.info = inference_size, overlap, info
         self.engine: Any = None
         self.version = 0
+        #: set by the trainers of :mod:`~reshard.integrations.trl.trainers`, whose stream
+        #: is this transfer's (TRL's own trainers would hand it gathered tensors)
+        self.bound = False
         self.refits: list[dict[str, Any]] = []
 
     # -- TRL's WeightTransferProtocol (the main process) ---------------------------------
     def init_weight_transfer(self) -> None:
-        """Check, before anything moves, that the server is up and uses the ``reshard``
-        backend; the trainer ranks meet the engine at the first refit (every rank is
-        there then)."""
+        """Check, before anything moves, that a reshard trainer holds this transfer and
+        that the server is up and uses the ``reshard`` backend; the trainer ranks meet the
+        engine at the first refit (every rank is there then)."""
+        if not self.bound:
+            raise ConfigError(_UNBOUND)
         backend = (self._server_info().get("weight_transfer_config") or {}).get("backend")
         if backend != "reshard":
             raise ConfigError(
@@ -93,11 +98,7 @@ class ReshardWeightTransfer:
         """Send the policy (rank 0's part; the other ranks iterate the same stream). Only
         a :class:`ReshardStream` is accepted: TRL's own stream gathers every tensor."""
         if not isinstance(iterator, ReshardStream) or iterator.transfer is not self:
-            raise ConfigError(
-                "send_weights got TRL's own parameter stream (full tensors gathered on "
-                f"every rank), a {type(iterator).__name__}; build the trainer with "
-                "reshard.integrations.trl.ReshardAsyncGRPOTrainer (or ReshardGRPOTrainer), "
-                "whose stream sends each rank's own shards")
+            raise ConfigError(f"send_weights got a {type(iterator).__name__}: {_UNBOUND}")
         for _ in iterator:
             pass
 
@@ -180,6 +181,11 @@ class ReshardWeightTransfer:
 
     def _world_size(self) -> int:
         return int(self._get("get_world_size")["world_size"])
+
+
+_UNBOUND = ("TRL's own trainers stream full tensors gathered on every rank; build the trainer "
+            "with reshard.integrations.trl.ReshardAsyncGRPOTrainer (or ReshardGRPOTrainer), "
+            "whose stream sends each rank's own shards")
 
 
 def _rank_and_size() -> tuple[int, int]:
