@@ -10,6 +10,7 @@ and no byte moves. Then each rank runs its part of the schedule.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from reshard._transport.sparse_runner import SparseRunner, SparseStats
 from reshard.comm import Comm, backend_device_types
 from reshard.defaults import ALL_METHODS, CHECKSUMS, COLOCATED, DEFAULT_BUDGET_BYTES
 from reshard.errors import ConfigError, FingerprintMismatchError, TensorMismatchError
+from reshard.fanout import check_fanout
 from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
@@ -33,7 +35,8 @@ class Executor:
     def __init__(self, plan: Plan, comm: Comm | None = None, *, method: str = "reshard",
                  budget_bytes: int = DEFAULT_BUDGET_BYTES, topology: Any = None,
                  checksum: bool | str = False, digest_key: bytes | None = None,
-                 staging_bytes: int | None = None) -> None:
+                 staging_bytes: int | None = None, fanout: str = "auto",
+                 same_source: Mapping[str, str] | None = None) -> None:
         """``method``: ``reshard`` (domain-aware: each byte crosses the network once per
         fast domain, forwarded inside it; ``topology`` defaults to ranks grouped by host,
         see :class:`reshard.topology.Topology`), ``p2p`` (the plan's transfers sent
@@ -48,7 +51,11 @@ class Executor:
         (``True`` = ``"sum"``, ``"crc32"``, or ``"hmac"`` keyed with ``digest_key``, which
         nobody without the key can forge) sends a digest of every message after it and
         raises :class:`reshard.TransferError` on a receiving rank whose data arrived
-        corrupt."""
+        corrupt. ``fanout`` (``reshard``): how destination domains that need the same
+        region are fed, ``direct`` from the sources, ``relay``ed domain to domain, or
+        ``auto`` (the cost model's choice; :mod:`reshard.fanout`); ``same_source``
+        (tensor name -> the name of its data) lets replicas that are separate tensors
+        of the plan relay to each other."""
         if method not in ALL_METHODS:
             raise ConfigError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
         if budget_bytes < 1024:
@@ -57,6 +64,7 @@ class Executor:
             raise ConfigError(f"staging_bytes must be at least 1024, got {staging_bytes}")
         self.plan, self.method, self.budget_bytes = plan, method, budget_bytes
         self.staging_bytes = staging_bytes
+        self.fanout, self.same_source = check_fanout(fanout), dict(same_source or {})
         self.comm = comm if comm is not None else Comm.from_group()
         self.rank = self.comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
@@ -120,6 +128,12 @@ class Executor:
             src, dst = self.plan.ranks()
             domains = ",".join(str(self.topology.domain(r)) for r in sorted(src | dst))
             key.append(("fast domains of ranks " + _ranges(src | dst), domains))
+            key.append(("fanout", f"{self.fanout} -> {self.schedule.fanout}"))
+            if self.topology.domain_gbps:
+                key.append(("domain link rates", repr(sorted(self.topology.domain_gbps.items()))))
+            if self.same_source:
+                digest = hashlib.sha256(repr(sorted(self.same_source.items())).encode())
+                key.append(("same_source", digest.hexdigest()[:16]))
         self._key = tuple(key)
         return self._key
 
@@ -131,7 +145,8 @@ class Executor:
 
             self.topology = topology if topology is not None else Topology.detect(self.comm)
             return domain_schedule(self.plan, self.topology, self.budget_bytes,
-                                   self.staging_bytes)
+                                   self.staging_bytes, fanout=self.fanout,
+                                   same_source=self.same_source)
         return flat_schedule(self.plan, self.budget_bytes, self.staging_bytes)
 
     # -- what a caller may watch or bound per run (the point-to-point methods) ---------

@@ -74,8 +74,9 @@ def execute_schedule_local(schedule, plan: Plan, src_locals: Mapping[int, Mappin
     for hops in schedule.rounds:
         reads = []
         for h in hops:  # a round reads what earlier rounds wrote, never its own writes
-            side = out if h.read_from == DEST else src_locals
-            reads.append(side[h.src_rank][h.name][box_slices(h.src_offset, h.size)].clone())
+            tensor = (out[h.src_rank][h.reads] if h.read_from == DEST
+                      else src_locals[h.src_rank][h.name])
+            reads.append(tensor[box_slices(h.src_offset, h.size)].clone())
         for h, data in zip(hops, reads):
             out[h.dst_rank][h.name][box_slices(h.dst_offset, h.size)] = data
     return out

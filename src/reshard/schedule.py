@@ -23,11 +23,18 @@ SOURCE, DEST = 0, 1  # where a hop reads from: the sender's source or destinatio
 
 @dataclass(frozen=True)
 class Hop(Transfer):
-    """A :class:`Transfer` as scheduled: where the sender reads it from, and the round
-    whose arrival a forward waits for."""
+    """A :class:`Transfer` as scheduled: where the sender reads it from, the round
+    whose arrival a forward waits for, and (a relay between replicas) the tensor a
+    forward reads when it is not the one it writes."""
 
     read_from: int = SOURCE
     after: int = -1
+    read_name: str = ""
+
+    @property
+    def reads(self) -> str:
+        """The name of the tensor the sender reads."""
+        return self.read_name or self.name
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class Schedule:
     rounds: tuple[tuple[Hop, ...], ...]
     method: str
     budget_bytes: int
+    fanout: str = "direct"
+    """How domains that need the same region were fed: ``direct`` or ``relay``
+    (:mod:`reshard.fanout`)."""
 
     def hops(self, rank: int | None = None) -> Iterator[tuple[int, Hop]]:
         """(round, hop) of every hop, or of those ``rank`` sends or receives."""
@@ -79,7 +89,8 @@ class RoundPacker:
     waits for) where neither end's staging (bytes sent + received in that round) would
     exceed the budget. Hops marked ``network`` also respect a smaller per-round cap, so
     that a round keeps room to forward what the previous round brought in: that is what
-    makes the network stage and the forwarding stage overlap."""
+    makes the network stage and the forwarding stage overlap. The cap holds each way
+    apart (links are full duplex): a relay receives a chunk and sends one per round."""
 
     def __init__(self, budget_bytes: int, network_cap: int | None = None,
                  staging_cap: int | None = None) -> None:
@@ -112,10 +123,11 @@ class RoundPacker:
             self.pairs[k][hop.src_rank, hop.dst_rank] = solo
             if staged:
                 self.staged[k][hop.dst_rank] = self.staged[k].get(hop.dst_rank, 0) + hop.nbytes
-            for r in (hop.src_rank, hop.dst_rank):
+            for end in ((hop.src_rank, "out"), (hop.dst_rank, "in")):
+                r = end[0]
                 self.used[k][r] = self.used[k].get(r, 0) + hop.nbytes
                 if network:
-                    self.net_used[k][r] = self.net_used[k].get(r, 0) + hop.nbytes
+                    self.net_used[k][end] = self.net_used[k].get(end, 0) + hop.nbytes
                 self._advance(r)
         return k
 
@@ -125,10 +137,10 @@ class RoundPacker:
             k += 1
         self.first_free[r] = k
 
-    def _fits(self, k: int, r: int, nbytes: int, network: bool) -> bool:
-        if self.used[k].get(r, 0) + nbytes > self.budget:
+    def _fits(self, k: int, end: tuple[int, str], nbytes: int, network: bool) -> bool:
+        if self.used[k].get(end[0], 0) + nbytes > self.budget:
             return False
-        return not network or self.net_used[k].get(r, 0) + nbytes <= self.network_cap
+        return not network or self.net_used[k].get(end, 0) + nbytes <= self.network_cap
 
     def _pair_free(self, k: int, hop: Hop, solo: bool) -> bool:
         pair = self.pairs[k].get((hop.src_rank, hop.dst_rank))
@@ -138,8 +150,8 @@ class RoundPacker:
         k = hop.after + 1
         if hop.is_local:
             return k
-        ends = (hop.src_rank, hop.dst_rank)
-        k = max(k, *(self.first_free.get(r, 0) for r in ends))
+        ends = ((hop.src_rank, "out"), (hop.dst_rank, "in"))
+        k = max(k, *(self.first_free.get(r, 0) for r, _ in ends))
         while k < len(self.used) and not (
                 self._pair_free(k, hop, solo)
                 and all(self._fits(k, r, hop.nbytes, network) for r in ends)
@@ -183,7 +195,7 @@ def is_solo(hop: Hop, plan: Plan) -> bool:
     if hop.is_local or hop.nbytes < SOLO_MIN_BYTES:
         return False
     t = plan[hop.name]
-    reader = t.dst if hop.read_from == DEST else t.src
+    reader = plan[hop.reads].dst if hop.read_from == DEST else t.src
     return (contiguous_box(hop.src_offset, hop.size, reader.local_shape(hop.src_rank))
             or contiguous_box(hop.dst_offset, hop.size, t.dst.local_shape(hop.dst_rank)))
 

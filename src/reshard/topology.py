@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.errors import LayoutError
+from reshard.fanout import Region, check_fanout, choose_fanout, regions
 from reshard.planner import Plan
 from reshard.schedule import DEST, Hop, RoundPacker, Schedule, add_capped, is_solo, split_hop
 
@@ -39,6 +40,9 @@ class Topology:
     inter_gbps: float = 50.0
     nic_gbps: float = 50.0
     name: str = field(default="custom", compare=False)
+    domain_gbps: Mapping[int, float] | None = None
+    """A domain's network link, where it differs from ``inter_gbps`` (a trainer's nodes
+    with more cards than a replica's): what the fan-out's cost model reads."""
 
     def __post_init__(self) -> None:
         if (self.domains is None) == (self.domain_size is None):
@@ -114,6 +118,10 @@ class Topology:
         ids: dict[str, int] = {}
         return cls(domains={r: ids.setdefault(n, len(ids)) for r, (_, n, _) in enumerate(views)})
 
+    def link_gbps(self, domain: int) -> float:
+        """The rate of one domain's network link (GB/s)."""
+        return (self.domain_gbps or {}).get(domain, self.inter_gbps)
+
     def domain(self, rank: int) -> int:
         if self.domain_size is not None:
             return rank // self.domain_size
@@ -143,78 +151,108 @@ class _Loads:
 
 
 def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int,
-                    staging_bytes: int | None = None) -> Schedule:
+                    staging_bytes: int | None = None, *, fanout: str = "auto",
+                    same_source: Mapping[str, str] | None = None) -> Schedule:
     """The ``reshard`` schedule: network once per destination domain, then forward.
     With every rank in one domain there is no network to save: the flat schedule.
     ``staging_bytes`` caps what a round stages on a receiver for the hops that are not
     network chunks or their forwards (those are cut to a sixth of the budget anyway;
-    :func:`reshard.schedule.pack_rounds`)."""
+    :func:`reshard.schedule.pack_rounds`). ``fanout``: how domains that need the same
+    region are fed, ``direct`` from the sources or ``relay``ed domain to domain
+    (:mod:`reshard.fanout`; ``auto``: the cost model's choice); ``same_source``: see
+    there."""
+    check_fanout(fanout)
     src, dst = plan.ranks()
     if len({topology.domain(r) for r in src | dst}) <= 1:
         from reshard.schedule import flat_schedule
 
         return replace(flat_schedule(plan, budget_bytes, staging_bytes), method="reshard")
+    mode = choose_fanout(plan, topology, budget_bytes, fanout, same_source)
     loads = _Loads()
-    items = []
-    for ti, t in enumerate(plan.tensors):
-        for ui, u in enumerate(t.template.units):
-            items.append((-u.nbytes, ti, ui))
-    items.sort()
-    hops: list[tuple[Hop, list[Hop]]] = []
-    for _, ti, ui in items:
-        hops.extend(_unit_hops(plan.tensors[ti], ui, topology, loads))
-    return Schedule(_pack_with_forwards(hops, budget_bytes, plan, staging_bytes), "reshard",
-                    budget_bytes)
+    chains: list[list[tuple[Hop, list[Hop]]]] = []
+    for i, region in enumerate(regions(plan, same_source)):
+        chains.extend(_region_hops(region, i, topology, loads, mode == "relay"))
+    return Schedule(_pack_chains(chains, budget_bytes, plan, staging_bytes), "reshard",
+                    budget_bytes, mode)
 
 
-def _unit_hops(t, ui: int, topo: Topology, loads: _Loads) -> list[tuple[Hop, list[Hop]]]:
-    u = t.template.units[ui]
-    src_ranks, dst_ranks = t.src.ranks, t.dst.ranks
-    holders = {src_ranks[s]: off for s, off in u.holders}
-    out: list[tuple[Hop, list[Hop]]] = []
-    for k, dst_slot, dst_off in u.local:
-        r = dst_ranks[dst_slot]
-        out.append((Hop(t.name, r, r, u.holders[k][1], dst_off, u.size, u.nbytes), []))
-    by_domain: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    for dst_slot, dst_off in u.remote:
-        r = dst_ranks[dst_slot]
-        by_domain.setdefault(topo.domain(r), []).append((r, dst_off))
+Stage = tuple[Hop, list[Hop]]  # a hop into a domain, then its forwards inside it
+
+
+def _region_hops(region: Region, i: int, topo: Topology, loads: _Loads,
+                 relay: bool) -> list[list[Stage]]:
+    """Chains of stages for one region: local copies and fast-link hops (one stage,
+    no forwards), one chain per far domain (direct) or one chain through all of them,
+    its order turned by ``i`` (relay)."""
+    t0, ui = region.members[0]
+    u = t0.template.units[ui]
+    holders = {t0.src.ranks[s]: off for s, off in u.holders}
+    out: list[list[Stage]] = []
+    for t, _ in region.members:
+        for k, dst_slot, dst_off in u.local:
+            r = t.dst.ranks[dst_slot]
+            out.append([(Hop(t.name, r, r, u.holders[k][1], dst_off, u.size, u.nbytes), [])])
+    far: list[int] = []
+    by_domain = region.needers(topo.domain)
     for dom in sorted(by_domain):
-        needers = by_domain[dom]
         near = [h for h in holders if topo.domain(h) == dom]
-        if near:  # co-located source: fast links only
-            for r, dst_off in needers:
-                s = loads.pick(near, loads.send, u.nbytes)
-                out.append((Hop(t.name, s, r, holders[s], dst_off, u.size, u.nbytes), []))
+        if not near:
+            far.append(dom)
             continue
-        receiver = loads.pick([r for r, _ in needers], loads.recv, u.nbytes)
-        sender = loads.pick(sorted(holders), loads.send, u.nbytes)
-        recv_off = next(off for r, off in needers if r == receiver)
-        net = Hop(t.name, sender, receiver, holders[sender], recv_off, u.size, u.nbytes)
-        forwards = [Hop(t.name, receiver, r, recv_off, dst_off, u.size, u.nbytes, DEST)
-                    for r, dst_off in needers if r != receiver]
-        out.append((net, forwards))
+        for name, r, dst_off in by_domain[dom]:  # co-located source: fast links only
+            s = loads.pick(near, loads.send, u.nbytes)
+            out.append([(Hop(name, s, r, holders[s], dst_off, u.size, u.nbytes), [])])
+    if relay and far:
+        far = far[i % len(far):] + far[:i % len(far)]
+    chain: list[Stage] = []
+    for dom in far:
+        needers = by_domain[dom]
+        receiver = loads.pick([r for _, r, _ in needers], loads.recv, u.nbytes)
+        name, _, recv_off = next(n for n in needers if n[1] == receiver)
+        if relay and chain:  # from the previous domain's receiver, what it received
+            up = chain[-1][0]
+            feed = Hop(name, up.dst_rank, receiver, up.dst_offset, recv_off, u.size,
+                       u.nbytes, DEST, read_name="" if up.name == name else up.name)
+        else:
+            sender = loads.pick(sorted(holders), loads.send, u.nbytes)
+            feed = Hop(name, sender, receiver, holders[sender], recv_off, u.size, u.nbytes)
+        forwards = [Hop(n, receiver, r, recv_off, off, u.size, u.nbytes, DEST,
+                        read_name="" if n == name else name)
+                    for n, r, off in needers if (n, r) != (name, receiver)]
+        chain.append((feed, forwards))
+        if not relay:
+            out.append(chain)
+            chain = []
+    if chain:
+        out.append(chain)
     return out
 
 
-def _pack_with_forwards(items: list[tuple[Hop, list[Hop]]], budget: int, plan: Plan,
-                        staging_bytes: int | None = None) -> tuple[tuple[Hop, ...], ...]:
+def _pack_chains(chains: list[list[Stage]], budget: int, plan: Plan,
+                 staging_bytes: int | None = None) -> tuple[tuple[Hop, ...], ...]:
     """Place each network hop (split into chunks), then its forwards after its last
     chunk. A round gives the network at most a third of the budget, leaving the rest to
-    forward the previous round's chunks: the two stages overlap round by round."""
+    forward the previous round's chunks: the two stages overlap round by round. In a
+    relay chain, chunk ``c`` of each domain's feed waits for the round that brought
+    chunk ``c`` into the domain before it: the chain is a pipeline of chunks."""
     packer = RoundPacker(budget, network_cap=max(1, budget // 3), staging_cap=staging_bytes)
     chunk = max(1, budget // 6)
-    for hop, forwards in items:
-        if not forwards:  # a local copy, a fast-link hop, or a lone network receiver
+    for chain in chains:
+        hop, forwards = chain[0]
+        if len(chain) == 1 and not forwards:  # local, fast-link, or a lone receiver
             for part in split_hop(hop, max(1, budget // 2)):
                 add_capped(packer, part, plan, staging_bytes)
             continue
-        last = max(packer.add(part, network=True, solo=is_solo(part, plan))
-                   for part in split_hop(hop, chunk))
-        for fwd in forwards:
-            for part in split_hop(fwd, chunk):
-                part = replace(part, after=last)
-                packer.add(part, solo=is_solo(part, plan))
+        arrived: list[int] = []
+        for hop, forwards in chain:
+            parts = split_hop(hop, chunk)
+            if arrived:
+                parts = [replace(p, after=a) for p, a in zip(parts, arrived)]
+            arrived = [packer.add(p, network=True, solo=is_solo(p, plan)) for p in parts]
+            for fwd in forwards:
+                for part in split_hop(fwd, chunk):
+                    part = replace(part, after=max(arrived))
+                    packer.add(part, solo=is_solo(part, plan))
     return packer.result()
 
 

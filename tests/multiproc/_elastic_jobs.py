@@ -82,7 +82,8 @@ def trainer(rank, _world, port, out, requests, rejoin):
             continue
         entry = dict(sender.history[-1], seconds=time.perf_counter() - t0, ok=True,
                      sent=stats.bytes_sent, plans_computed=sender.plans_computed,
-                     checksum=sender.side.executors[0].checksum)
+                     checksum=sender.side.executors[0].checksum,
+                     fanout=sender.side.executors[0].schedule.fanout)
         log.append(entry)
         _write(path, log)
     return log
@@ -112,13 +113,15 @@ def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
     _write(path, log)
     while receiver.version < last:
         previous = receiver.version
+        t0 = time.perf_counter()
         try:
             stats = receiver.refit(wait=TIMEOUT)
         except R.TransferError as e:  # a lost peer: keep serving the previous version
             kept = all(matches(lay, rank, targets[n], salt=previous)
                        for n, lay in layouts.items())
             log.append({"error": "TransferError", "kept_previous": kept,
-                        "version": receiver.version, "message": str(e)[:300]})
+                        "version": receiver.version, "message": str(e)[:300],
+                        "seconds": time.perf_counter() - t0})
             _write(path, log)
             continue
         except R.ReshardError as e:
@@ -132,7 +135,8 @@ def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
         exact = all(matches(lay, rank, targets[n], salt=stats.version)
                     for n, lay in layouts.items())
         log.append({"version": stats.version, "exact": exact, "epoch": receiver.epoch,
-                    "offset": receiver.offsets[rid], "received": stats.bytes_received})
+                    "offset": receiver.offsets[rid], "received": stats.bytes_received,
+                    "sent": stats.bytes_sent})
         _write(path, log)
         if stats.version == leave_after:
             receiver.leave()

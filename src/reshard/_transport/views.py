@@ -35,8 +35,9 @@ class RegionViews:
         self.dtypes = dtypes
         self.src_names = sorted({h.name for h in hops
                                  if h.src_rank == rank and h.read_from != DEST})
-        self.dst_names = sorted({h.name for h in hops if h.dst_rank == rank
-                                 or (h.src_rank == rank and h.read_from == DEST)})
+        self.dst_names = sorted({h.name for h in hops if h.dst_rank == rank}
+                                | {h.reads for h in hops
+                                   if h.src_rank == rank and h.read_from == DEST})
         self.src: Mapping[str, torch.Tensor] = {}
         self.dst: Mapping[str, torch.Tensor] = {}
         self._bound: tuple | None = None  # what the kept geometry was worked out for
@@ -79,7 +80,7 @@ class RegionViews:
         tensor when it forwards."""
         view = self._run.get(("read", id(h)))
         if view is None:
-            tensor = self.dst[h.name] if h.read_from == DEST else self.src[h.name]
+            tensor = self.dst[h.reads] if h.read_from == DEST else self.src[h.name]
             view = self._run["read", id(h)] = self._view(tensor, "read", h, h.src_offset)
         return view
 

@@ -55,6 +55,7 @@ from reshard.comm import Comm
 from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import PlanError, ReshardError, TransferError
 from reshard.executor import Executor
+from reshard.fanout import check_fanout
 from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan
@@ -83,8 +84,9 @@ class _EpochSide(Side):
 
     def __init__(self, meeting: Meeting, *, method: str, budget_bytes: int,
                  progress: bool | Callable[[int, int], None],
-                 refit_timeout: timedelta | None, checksum: bool | str | None) -> None:
-        self.method = method
+                 refit_timeout: timedelta | None, checksum: bool | str | None,
+                 fanout: str = "auto") -> None:
+        self.method, self.fanout = method, fanout
         super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
                          refit_timeout=refit_timeout, checksum=checksum)
 
@@ -93,7 +95,8 @@ class _EpochSide(Side):
         ex = Executor(meeting.plan, self.comm, method=self.method,
                       budget_bytes=self.budget_bytes, staging_bytes=self.staging_bytes,
                       checksum=self._checksum_kind(meeting) or False,
-                      digest_key=meeting.digest_key)
+                      digest_key=meeting.digest_key, fanout=self.fanout,
+                      same_source={n: n.split(":", 1)[1] for n in meeting.plan.names})
         if progress:
             ex.progress = progress if callable(progress) else print_progress
         return [ex]
@@ -157,7 +160,8 @@ class _Participant:
                  method: str, budget_bytes: int, backend: str,
                  refit_timeout: timedelta | None, checksum: bool | str | None,
                  progress: bool | Callable[[int, int], None],
-                 token: str | bytes | None = None, listen: str | None = None) -> None:
+                 token: str | bytes | None = None, listen: str | None = None,
+                 fanout: str = "auto") -> None:
         self.timeout, self.backend = timeout, backend
         key = resolve_key(token)
         self.store = Comm.open_store(host, port, 0 if is_master else 1, None,
@@ -166,7 +170,8 @@ class _Participant:
         self.digest_key = meeting_digest_key(self.store, key, is_master, timeout)
         self.kv = dist.PrefixStore(_PREFIX, self.store)
         self._side_opts = dict(method=method, budget_bytes=budget_bytes, progress=progress,
-                               refit_timeout=refit_timeout, checksum=checksum)
+                               refit_timeout=refit_timeout, checksum=checksum,
+                               fanout=check_fanout(fanout))
         self.side: _EpochSide | None = None
         self.epoch = 0
         self.version = 0
@@ -239,18 +244,21 @@ class ElasticSender(_Participant):
                  refit_timeout: timedelta | None = None,
                  rejoin_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,
-                 token: str | bytes | None = None, listen: str | None = None) -> None:
+                 token: str | bytes | None = None, listen: str | None = None,
+                 fanout: str = "auto") -> None:
         """``timeout`` bounds store operations and group formation; ``refit_timeout``
         each refit (see :class:`reshard.refit.RefitSender`); ``rejoin_timeout`` how long
         the coordinator waits, after a failed refit, for replicas to report alive
         (default: ``refit_timeout`` or ``timeout``). ``token``, ``listen`` and
-        ``checksum`` are as for :class:`reshard.refit.RefitSender`."""
+        ``checksum`` are as for :class:`reshard.refit.RefitSender`. ``fanout``: replicas
+        of one layout fed ``direct`` by the trainer, ``relay``ed replica to replica, or
+        ``auto`` (:mod:`reshard.fanout`); every trainer and replica rank passes the same."""
         if layouts is None:
             _, layouts = layouts_of(params)
         super().__init__(host, port, is_master=rank == 0, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
                          refit_timeout=refit_timeout, checksum=checksum, progress=progress,
-                         token=token, listen=listen)
+                         token=token, listen=listen, fanout=fanout)
         self.params, self.layouts = params, dict(layouts)
         self.rank, self.trainer_size = rank, trainer_size
         self.rejoin_timeout = rejoin_timeout or refit_timeout or timeout
@@ -369,13 +377,13 @@ class ElasticReceiver(_Participant):
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,
-                 token: str | bytes | None = None) -> None:
+                 token: str | bytes | None = None, fanout: str = "auto") -> None:
         if not 0 <= rank < tp_size:
             raise PlanError(f"rank must be in [0, {tp_size}), got {rank}")
         super().__init__(host, port, is_master=False, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
                          refit_timeout=refit_timeout, checksum=checksum, progress=progress,
-                         token=token)
+                         token=token, fanout=fanout)
         self.replica_id, self.rank, self.tp_size = str(replica_id), rank, tp_size
         self.layouts = dict(layouts)
         self.targets = dict(targets)
