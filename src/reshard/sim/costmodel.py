@@ -43,6 +43,7 @@ from reshard.sim import nemo
 from reshard.sim.broadcast import gather_broadcast
 from reshard.sim.cluster import Cluster, RankMap, get_cluster
 from reshard.sim.links import LinkLoads, Net, Prediction
+from reshard.sim.sparse import sparse_prediction
 from reshard.stats import tensor_groups
 
 if TYPE_CHECKING:
@@ -73,11 +74,14 @@ class Simulation:
 
 def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None,
              budget_bytes: int = DEFAULT_BUDGET_BYTES,
-             methods: Sequence[str] = SIM_METHODS) -> Simulation:
+             methods: Sequence[str] = SIM_METHODS, changed: float | None = None
+             ) -> Simulation:
     """Predict the refit time of ``plan`` on ``cluster`` for each of ``methods``.
 
     ``ranks`` places the plan's ranks (default: ``cluster.place`` of its two sides);
-    ``budget_bytes`` is the executor's staging budget (rounds and pipeline chunks)."""
+    ``budget_bytes`` is the executor's staging budget (rounds and pipeline chunks);
+    ``changed``: also a ``sparse`` row, a refit after the first with that fraction of
+    the engine-dtype values changed (:mod:`reshard.sim.sparse`)."""
     cluster = get_cluster(cluster)
     unknown = [m for m in methods if m not in SIM_METHODS]
     if unknown:
@@ -103,7 +107,21 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
                      nemo.buffer_bytes(net, budget_bytes)),
                  "nemo_hybrid": lambda: _nemo_hybrid(plan, net, budget_bytes, bound_s)}
         predictions = {m: model[m]() for m in SIM_METHODS if m in methods}
+        if changed is not None:
+            predictions["sparse"] = sparse_prediction(
+                pairs, changed, _engine_itemsize(plan),
+                lambda scaled: _p2p(scaled, net, budget_bytes, bound_s))
     return Simulation(cluster, ranks, predictions, bound_s, bound_what, network_bytes, pairs)
+
+
+def _engine_itemsize(plan: Plan) -> int:
+    """The engine dtype's element size (one for every tensor: a sparse refit of FP8
+    blocks is not modelled)."""
+    dtypes = {t.dst.dtype for t in plan.tensors}
+    if len(dtypes) != 1 or "float8" in min(dtypes):
+        raise ConfigError(f"--changed models one engine dtype, not FP8; the plan has "
+                          f"{sorted(dtypes)}")
+    return plan.tensors[0].dst.itemsize
 
 
 # ------------------------------------------------------------------------------- links

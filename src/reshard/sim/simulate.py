@@ -25,12 +25,13 @@ _LINKS = (("nic_out", "NIC out"), ("nic_in", "NIC in"), ("intra_out", "fast out"
 
 def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
              dst_dtype: str | None = None, separate: bool = True,
-             methods: Sequence[str] = SIM_METHODS) -> dict[str, Any]:
+             methods: Sequence[str] = SIM_METHODS, changed: float | None = None
+             ) -> dict[str, Any]:
     """Plan ``model`` (a ModelSpec) from ``src`` to ``dst`` and simulate it on ``cluster``;
     returns the plan, the simulation and the timings. ``dst_dtype="float8_e4m3fn"``: an
     FP8 block engine (its linear weights in FP8 with float32 scales, quantized shard by
     shard on the trainer; ``fp8`` then holds the plan of the amax exchange), any other
-    dtype a plain cast."""
+    dtype a plain cast. ``changed``: also a sparse refit's row (:mod:`reshard.sim.sparse`)."""
     from reshard import planner
     from reshard.sim.specs import ParallelSpec, model_layouts
 
@@ -51,7 +52,8 @@ def run_case(model, src: str, dst: str, cluster, *, budget_bytes: int = DEFAULT_
     plan = planner.plan(src_layouts, dst_layouts, allow_cast=dst_dtype is not None)
     t1 = time.perf_counter()
     ranks = cluster.place(*plan.ranks(), separate=separate)
-    sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes, methods=methods)
+    sim = simulate(plan, cluster, ranks=ranks, budget_bytes=budget_bytes, methods=methods,
+                   changed=changed)
     t2 = time.perf_counter()
     return {"plan": plan, "sim": sim, "plan_seconds": t1 - t0, "simulate_seconds": t2 - t1,
             "fp8": fp8}

@@ -64,7 +64,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model = _model(args)
     case = run_case(model, args.src, args.dst, cluster, budget_bytes=budget,
                     dst_dtype=args.dst_dtype, separate=not args.shared_domains,
-                    methods=_methods(args))
+                    methods=_methods(args), changed=args.changed)
     sim: Simulation = case["sim"]
     if args.plot:
         plot_simulation(sim, args.plot, title=f"{model.name}: {args.src} -> {args.dst} on "
@@ -156,6 +156,9 @@ def register(subparsers) -> None:
     s.add_argument("--methods", default=",".join(SIM_METHODS),
                    help="comma-separated methods to predict (default: all of "
                         f"{', '.join(SIM_METHODS)})")
+    s.add_argument("--changed", type=float, default=None, metavar="F",
+                   help="also predict a sparse refit (after the first) with this fraction "
+                        "of the engine-dtype values changed, e.g. 0.01")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the byte matrix and link loads (or the sweep) to FILE.png")
