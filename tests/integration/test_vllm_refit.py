@@ -54,6 +54,7 @@ except Exception as e:  # ImportError, or a broken install
     print(f"\nskipping the vLLM refit tests: vllm is not importable ({e!r})")
     pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
 
+import _engine_procs  # noqa: E402
 import torch  # noqa: E402
 
 from reshard.integrations import hf  # noqa: E402
@@ -86,9 +87,11 @@ def start_llm(tp: int, **options) -> LLM:
     it made: both are undone here, so that the next engine reads its own settings
     (``VLLM_CPU_OMP_THREADS_BIND``) and a closed engine's objects can be collected. At
     TP1 the engine core keeps its own process (in-process, vLLM CPU would run the model
-    in this one)."""
+    in this one). Worker processes fork from one preloaded forkserver
+    (``_engine_procs``: about 3 s a TP2 start); stop engines with :func:`close_llm`."""
     import vllm.envs
 
+    _engine_procs.install()
     key, saved = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if tp > 1:
         os.environ[key] = "0"
@@ -101,6 +104,10 @@ def start_llm(tp: int, **options) -> LLM:
             os.environ[key] = saved
         vllm.envs.disable_envs_cache()
         gc.unfreeze()
+
+
+#: stops an engine of :func:`start_llm` (its processes skip the interpreter's teardown)
+close_llm = _engine_procs.close
 
 
 class Engines:
@@ -142,7 +149,7 @@ class Engines:
 
     def close(self) -> None:
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            close_llm(self.llm)
             self.llm, self.kind = None, None
 
 
@@ -364,14 +371,23 @@ def check_memory(rec: dict, cfg) -> None:
         assert info["extra_bytes"] == received - direct + pad - own + shadow
 
 
-def check_good_refit(rec: dict, step: int) -> None:
+def check_good_refit(rec: dict, step: int, sparse: bool = False) -> None:
+    """``sparse``: the trainer's ``sparse="on"``, so every refit after the first went
+    through the sparse transport (fp32 engines: nearly every value changes in a step,
+    so mostly dense-encoded, never more than dense's bytes and its headers)."""
     assert [s["version"] for s in rec["status"]] == [step] * TP
     assert not any(s["stale"] for s in rec["status"])
     for rank, res in enumerate(rec["res"]):
         assert res["ok"] and res["committed"], res
         assert res["version"] == step
         # only this rank's bytes: its shard of every tensor, fused and padded ones included
-        assert res["bytes_received"] == res["expected_bytes"] == rec["expected_bytes"][rank]
+        assert res["expected_bytes"] == rec["expected_bytes"][rank]
+        if sparse and step > 1:
+            got = res["sparse"]
+            assert got["dense_bytes"] == res["expected_bytes"], got
+            assert res["bytes_received"] == got["wire_bytes"] <= 1.02 * got["dense_bytes"]
+        else:
+            assert res["bytes_received"] == res["expected_bytes"] and res["sparse"] is None
     assert rec["versions"] == [step] * TP
     for v in rec["verify"]:  # bit for bit what vLLM's own loaders make of the full state
         assert v["mismatched"] == [] and v["live_mismatched"] == [], v
@@ -467,16 +483,19 @@ def test_tied_embeddings_refit_and_match_a_fresh_engine(engines, tmp_path):
     tensor is sent once, nothing is left unset, the LM head's own GEMM follows each
     refit, and the engine answers bit for bit as a fresh engine of that step. With a
     token (the worker extension's ``reshard_init(token=...)``): keyed digests. With
-    ``heap_slack_bytes=None``: the commits keep every freed page (no trims)."""
+    ``heap_slack_bytes=None``: the commits keep every freed page (no trims). The trainer
+    refits sparse (``sparse="on"``, AdamW at lr 1e-5, an fp32 engine): the second
+    refit through the sparse transport, its keyed digests included, bit for bit."""
     records, trainer = run_refits(engines, tmp_path, "qwen3_tied", "fsdp", steps=2,
-                                  token=TOKEN, heap_slack_bytes=None)
+                                  token=TOKEN, heap_slack_bytes=None,
+                                  job_args=("--sparse", "on", "--lr", "1e-5"))
     assert all(i["checksum"] == ["hmac"] for i in records[0]["info"]), records[0]["info"]
     assert all(i["heap_slack_bytes"] is None for i in records[0]["info"])
     assert all(r["commit_trims"] == 0 for rec in records for r in rec["res"])
     cfg = hf.load_model(engines.dirs["qwen3_tied"], torch.float32).config
     assert cfg.tie_word_embeddings
     for step, rec in enumerate(records, 1):
-        check_good_refit(rec, step)
+        check_good_refit(rec, step, sparse=True)
         check_memory(rec, cfg)
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
     fresh = fresh_engine_answers(engines, engines.dirs["qwen3_tied"],
@@ -487,11 +506,13 @@ def test_tied_embeddings_refit_and_match_a_fresh_engine(engines, tmp_path):
 def test_fsdp2_moe_trainer_refits_vllm_tp2(engines, tmp_path):
     """Qwen3-MoE: transformers 5's fused experts (gate_up_proj [E, 2I, H], down_proj
     [E, H, I], FSDP2-sharded over experts) land in vLLM's w13 [E, 2I/TP, H] and w2
-    [E, H, I/TP] of each rank, which receives only its half of every expert."""
-    records, trainer = run_refits(engines, tmp_path, "qwen3_moe", "fsdp")
+    [E, H, I/TP] of each rank, which receives only its half of every expert. Refits
+    after the first are sparse (``sparse="on"``; the fp32 engine: most values change)."""
+    records, trainer = run_refits(engines, tmp_path, "qwen3_moe", "fsdp",
+                                  job_args=("--sparse", "on"))
     cfg = hf.load_model(engines.dirs["qwen3_moe"], torch.float32).config
     for step, rec in enumerate(records, 1):
-        check_good_refit(rec, step)
+        check_good_refit(rec, step, sparse=True)
         check_memory(rec, cfg)
         assert all(any("experts" in n for n in i["buffered"]) for i in rec["info"])
         # prepacked in place (no layerwise reload of the experts), bit for bit as vLLM
