@@ -47,6 +47,7 @@ LEFT_OUT = {
     "tests/unit/test_megatron_mapping.py": "Megatron-Core name and shard rules: " + _PURE,
     "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,
     "tests/unit/test_nemo_sim.py": "NeMo RL methods in the cost model: " + _PURE,
+    "tests/unit/test_sim_fleet.py": "a fleet of replicas in the cost model: " + _PURE,
     "tests/unit/test_demo_rl_args.py": "the RL demo's command line: " + _PURE,
     "tests/unit/test_refit_real.py": "the real-size refit benchmark's tables: " + _PURE,
     "tests/unit/test_layering.py": "import layering: " + _PURE,
