@@ -66,7 +66,7 @@ def trainer(rank: int, world: int, a: argparse.Namespace) -> dict:
     if a.port:
         sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=a.port, rank=rank,
                              trainer_size=world, inference_size=a.inference_size,
-                             timeout=timedelta(seconds=180))
+                             timeout=timedelta(seconds=180), sparse=a.sparse)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, foreach=False)
     for step in range(1, a.steps + 1):
         loss = M.train_step(model, opt, step)
@@ -74,8 +74,11 @@ def trainer(rank: int, world: int, a: argparse.Namespace) -> dict:
         entry = {"step": step, "loss": loss}
         if sender is not None:
             stats = sender.refit(step)
+            sparse = stats.sparse is not None and stats.sparse.used
             entry.update(sent=stats.bytes_sent, received=stats.bytes_received,
-                         staging=stats.peak_staging_bytes, seconds=stats.seconds)
+                         staging=stats.peak_staging_bytes, seconds=stats.seconds,
+                         sparse=sparse, dense=stats.sparse.dense_bytes if sparse
+                         else stats.bytes_sent)
         log["steps"].append(entry)
     if sender is not None:
         sender.comm.close()
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--port", type=int, default=0, help="the refit meeting; 0: no refit")
+    ap.add_argument("--sparse", default="off", help="the sender's sparse mode")
     ap.add_argument("--inference-size", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=M.TINY["vocab"],
                     help="the real vocabulary (Megatron pads it to a multiple of 128)")

@@ -21,6 +21,10 @@ saved shards by ``reshard.tools.megatron_hf`` (independent of
 * after the last step, the engine answers (greedy tokens, prompt logprobs) exactly as a
   fresh engine loaded from a Hugging Face checkpoint of that state dict.
 
+The sender refits sparse (``sparse="on"``): the second refit of every configuration
+goes through the sparse transport (fp32 engines: most values change in a step, so most
+regions go dense), and all of the above holds for it.
+
 Two steps per configuration; about 4 minutes in all, most of it engine start-up.
 """
 
@@ -70,7 +74,7 @@ def run_config(engines, root: Path, name: str) -> dict:
     experts = 8 if kind == "qwen3_moe" else 0
     cmd = [sys.executable, str(JOB), str(out), "--kind", kind, "--tp", str(tp), "--pp",
            str(pp), "--ep", str(ep), "--world", str(world), "--steps", str(STEPS),
-           "--port", str(port), "--vocab", str(VOCAB[kind])]
+           "--port", str(port), "--vocab", str(VOCAB[kind]), "--sparse", "on"]
     records = []
     with open(out / "job.out", "w") as so, open(out / "job.err", "w") as se:
         job = subprocess.Popen(cmd, stdout=so, stderr=se)
@@ -151,8 +155,15 @@ def test_megatron_trainer_refits_vllm(runs, name):
     for step, rec in enumerate(run["records"], 1):
         for rank, res in enumerate(rec["res"]):
             assert res["ok"] and res["committed"] and res["version"] == step, res
-            # exactly this rank's shard: fused qkv / gate_up / experts, padded vocab
-            assert res["bytes_received"] == V.expected_shard_bytes(cfg, rank)
+            # exactly this rank's shard: fused qkv / gate_up / experts, padded vocab;
+            # after the first refit sparse, as much as dense and its headers at most
+            want = V.expected_shard_bytes(cfg, rank)
+            if step == 1:
+                assert res["bytes_received"] == want and res["sparse"] is None
+            else:
+                got = res["sparse"]
+                assert got["dense_bytes"] == want, got
+                assert res["bytes_received"] == got["wire_bytes"] <= 1.02 * want, got
         for v in rec["verify"]:  # bit for bit what vLLM's loaders make of the HF state
             assert v["mismatched"] == [] and v["checked"] > 0, v
     # the weights moved between the steps
@@ -162,6 +173,8 @@ def test_megatron_trainer_refits_vllm(runs, name):
         assert mem["views_of_megatron_params"] == mem["names"] > 0  # no copy
         for entry in log["steps"]:
             assert entry["received"] == 0  # a trainer rank never assembles a tensor
-            assert entry["sent"] <= mem["local_param_bytes"]
+            assert entry["dense"] <= mem["local_param_bytes"]
+            assert entry["sparse"] == (entry["step"] > 1)
+            assert entry["sent"] <= 1.02 * entry["dense"] + 4096
     # the engine answers exactly as a fresh engine loaded from the last step's checkpoint
     assert run["records"][-1]["answers"] == fresh_answers(engines, run, STEPS)
