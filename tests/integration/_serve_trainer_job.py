@@ -1,7 +1,7 @@
 """One rank of the trainer job of the live-server tests (tests/integration/test_vllm_serve.py)::
 
     python _serve_trainer_job.py --rank R --world 2 --dist-port P MODEL_DIR URL MEET_PORT OUT \\
-        --steps 1,2 [--stop-the-world 2] [--die-at 2] [--resume 2]
+        --steps 1,2 [--stop-the-world 2] [--die-at 2] [--resume 2] [--sparse on] [--lr LR]
 
 Each rank loads the transformers model (float32 master weights), shards it with FSDP2
 and meets the live vLLM server at ``URL`` through vLLM's own HTTP weight-sync client
@@ -12,8 +12,9 @@ the ranks wait for ``OUT/go{k}`` (the test's in-flight requests are running), th
 ``send_weights(k)`` (overlapped, or stop-the-world for the steps listed); rank 0 writes
 ``OUT/refit{k}.json``.
 ``--die-at K``: rank 1 is SIGKILLed by itself midway through its sends of step K (a
-trainer rank lost during the engine's background receive). ``--resume K``: no training;
-the ranks load ``OUT/step{K}`` and send it as version K (a trainer re-admitted).
+trainer rank lost during the engine's background receive). ``--resume K``: the ranks
+load ``OUT/step{K}`` and send it as version K (a trainer re-admitted), training only for
+the steps after it. ``--sparse``: the trainer engine's sparse mode (its init info).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--stop-the-world", default="", help="steps refitted stop-the-world")
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--resume", type=int, default=-1)
+    ap.add_argument("--sparse", default="off")
+    ap.add_argument("--lr", type=float, default=0.02)
     a = ap.parse_args()
     out = Path(a.out)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.dist_port))
@@ -91,13 +94,13 @@ def main() -> None:
     params = Dying(params, at=len(params) + len(params) // 2)
     info = ReshardTrainerInitInfo("127.0.0.1", a.meet_port, trainer_size=a.world,
                                   inference_size=2, rank=a.rank, timeout_s=60,
-                                  token=os.environ.get("SERVE_TEST_TOKEN"))
+                                  token=os.environ.get("SERVE_TEST_TOKEN"), sparse=a.sparse)
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=HTTPVLLMWeightSyncClient(a.url), source=params)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, foreach=False)
     stop_the_world = {int(s) for s in a.stop_the_world.split(",") if s}
     for step in (int(s) for s in a.steps.split(",")):
-        if a.resume < 0:
+        if step > a.resume:
             ids = batch(step, model.config.vocab_size)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()

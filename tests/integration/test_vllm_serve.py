@@ -5,13 +5,17 @@ requests in flight during every refit. One server and one scenario, shared by th
 1. refit 1, **overlapped**: the engine generates while its ranks receive in the
    background; both TP ranks swap between the same two forward passes;
 2. malformed and out-of-order protocol calls: refused, the engine serving on untouched;
-3. refit 2, a trainer rank **SIGKILLed midway** through its sends: the server keeps
-   serving version 1, healthy;
-4. a new trainer job (re-admitted: a new meeting) sends step 2 **stop-the-world**.
+3. refit 2, overlapped and **sparse** (the trainer engine's init info says
+   ``sparse="on"``; AdamW at lr 1e-5, an RL step): only the changed bf16 values travel;
+4. refit 3 (sparse), a trainer rank **SIGKILLed midway** through its sends: the server
+   keeps serving version 2, healthy;
+5. a new trainer job (re-admitted: a new meeting) sends step 3 **stop-the-world**
+   (dense: the new meeting has no base).
 
-After refits 1 and 4, new requests (a 300-token shared prefix the server cached before,
+After refits 2 and 5, new requests (a 300-token shared prefix the server cached before,
 no prompt logprobs) answer bit for bit -- greedy tokens and logprobs -- as a fresh engine
-of the same kind started from that step's checkpoint.
+of the same kind started from that step's checkpoint (refit 2 lands on top of refit 1:
+had refit 1 left any value wrong, refit 2 would too).
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ def scenario(tmp_path_factory):
     server = Server(model, port=free_port(), log=tmp / "server.log")
     _scenario(server, model, out, rec)
     # the fresh engines, once the server is down (2 cores): one per step's checkpoint
-    for k in (1, 2):
+    for k in (2, 3):
         rec[f"fresh{k}"] = _fresh_answers(out / f"step{k}")
     return rec
 
@@ -150,7 +154,7 @@ def _fresh_answers(model: Path) -> list[dict]:
     tokens and 128 sequences per rank), its engine core in this process (``start_llm``:
     about 10 s to start, against 50-70 s for another ``vllm serve`` beside the scenario).
     Each prompt is asked on its own and in turn, as the server is asked them."""
-    from test_vllm_refit import start_llm  # the vLLM tests' engine starter
+    from test_vllm_refit import close_llm, start_llm  # the vLLM tests' engine starter
     from vllm import SamplingParams, TokensPrompt
 
     llm = start_llm(2, model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
@@ -168,14 +172,14 @@ def _fresh_answers(model: Path) -> list[dict]:
                                                                          c.logprobs)]})
         return answers
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        close_llm(llm)
 
 
 def _scenario(server: Server, model: Path, out: Path, rec: dict) -> None:
     with server:
         rec["before"] = _answers(server)  # the prefix is cached with the old weights
-        job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2",
-               "--die-at", "2"]
+        job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2,3",
+               "--die-at", "3", "--sparse", "on", "--lr", "1e-5"]
         procs = _trainers(job, out, "job1-")
         rec[1] = _refit_with_traffic(server, out, 1, procs)
         rec["info"] = server.rpc("reshard_info")
@@ -197,11 +201,12 @@ def _scenario(server: Server, model: Path, out: Path, rec: dict) -> None:
                            "trainer_size": 2, "bogus": "x"}})
         rec["after_malformed"] = _answers(server)
         rec["version_after_malformed"] = server.weight_version()
-        # refit 2: trainer rank 1 dies midway through its sends
-        _wait(out, "ready2", procs)
+        rec["sparse"] = _refit_with_traffic(server, out, 2, procs)  # overlapped, sparse
+        # refit 3 (sparse): trainer rank 1 dies midway through its sends
+        _wait(out, "ready3", procs)
         traffic = Traffic(server)
-        (out / "go2").touch()
-        rec["lost"] = _wait_refit(out, 2, procs)
+        (out / "go3").touch()
+        rec["lost"] = _wait_refit(out, 3, procs)
         traffic.stop()
         for p in procs:
             p.wait(120)
@@ -209,12 +214,12 @@ def _scenario(server: Server, model: Path, out: Path, rec: dict) -> None:
         rec["after_lost"] = _answers(server)
         rec["version_after_lost"] = server.weight_version()
         rec["ranks_after_lost"] = server.rpc("reshard_last")
-        # a new trainer job meets the server again and sends step 2, stop-the-world
-        for name in ("refit2.json", "go2", "ready2"):
+        # a new trainer job meets the server again and sends step 3, stop-the-world
+        for name in ("refit3.json", "go3", "ready3"):
             (out / name).unlink()
-        procs = _trainers([str(model), server.url, str(free_port()), str(out), "--steps", "2",
-                           "--resume", "2", "--stop-the-world", "2"], out, "job2-")
-        rec[2] = _refit_with_traffic(server, out, 2, procs)
+        procs = _trainers([str(model), server.url, str(free_port()), str(out), "--steps", "3",
+                           "--resume", "3", "--stop-the-world", "3"], out, "job2-")
+        rec[3] = _refit_with_traffic(server, out, 3, procs)
         for p in procs:
             p.wait(120)
 
@@ -250,8 +255,31 @@ def test_overlapped_refit_keeps_generating_and_answers_as_a_fresh_server(scenari
     assert r["result"]["pause_seconds"] < r["result"]["seconds"]
     assert r["result"]["pause_seconds"] < 3.0, r["result"]
     assert _outputs(r["answers"]) != _outputs(scenario["before"])
-    assert _outputs(r["answers"]) == _outputs(scenario["fresh1"])  # bit for bit
     assert all(_spans(a) == ["1"] for a in r["answers"])
+    assert all(x["sparse"] is None for x in ranks)  # the first refit of a meeting: dense
+
+
+def test_a_sparse_overlapped_refit_answers_as_a_fresh_server(scenario):
+    """Refit 2 sends only the changed bf16 values (the protocol's init info said so),
+    overlapped with generation, and the server then answers bit for bit as a fresh
+    engine of step 2."""
+    assert all(i["sparse"] == "on" for i in scenario["info"]), scenario["info"]
+    r = scenario["sparse"]
+    assert r["result"]["ok"], r["result"]
+    assert not r["errors"]
+    assert r["version"] == "2"
+    ranks = r["ranks"]
+    assert all(x["committed"] and x["version"] == 2 for x in ranks), ranks
+    assert all(x["forwards_during_receive"] > 0 for x in ranks), ranks
+    assert len({x["swap_forward"] for x in ranks}) == 1, ranks
+    for x in ranks:  # a fraction of the values changed, that fraction of the bytes came
+        got = x["sparse"]
+        assert 0 < got["changed_fraction"] < 0.2, got
+        assert x["bytes_received"] == got["wire_bytes"] < 0.3 * got["dense_bytes"], got
+    assert r["result"]["sparse"]["wire_bytes"] < 0.3 * r["result"]["sparse"]["dense_bytes"]
+    assert _outputs(r["answers"]) != _outputs(scenario[1]["answers"])
+    assert _outputs(r["answers"]) == _outputs(scenario["fresh2"])  # bit for bit
+    assert all(_spans(a) == ["2"] for a in r["answers"])
 
 
 def test_malformed_calls_are_refused_and_the_engine_serves_on(scenario):
@@ -270,20 +298,21 @@ def test_a_trainer_rank_lost_midway_leaves_the_previous_version_serving(scenario
     lost = scenario["lost"]
     assert not lost["ok"] and ("aborted" in lost["error"] or "broken" in lost["error"]), lost
     assert scenario["lost_codes"][1] == -9  # SIGKILL
-    assert scenario["after_lost"] == scenario[1]["answers"]
-    assert scenario["version_after_lost"] == "1"
+    assert scenario["after_lost"] == scenario["sparse"]["answers"]
+    assert scenario["version_after_lost"] == "2"
     assert all(not x["ok"] for x in scenario["ranks_after_lost"]), scenario["ranks_after_lost"]
 
 
 def test_a_readmitted_trainer_refits_stop_the_world_exactly(scenario):
-    r = scenario[2]
+    r = scenario[3]
     assert r["result"]["ok"], r["result"]
     assert not r["errors"]
-    assert r["version"] == "2"
-    assert all(x["committed"] and x["version"] == 2 for x in r["ranks"]), r["ranks"]
+    assert r["version"] == "3"
+    assert all(x["committed"] and x["version"] == 3 for x in r["ranks"]), r["ranks"]
     assert len({x["swap_forward"] for x in r["ranks"]}) == 1
     # stop-the-world: no forward pass while the version was received
     assert all(x["forwards_during_receive"] == 0 for x in r["ranks"]), r["ranks"]
-    assert _outputs(r["answers"]) != _outputs(scenario[1]["answers"])
-    assert _outputs(r["answers"]) == _outputs(scenario["fresh2"])
-    assert all(_spans(a) == ["2"] for a in r["answers"])
+    assert _outputs(r["answers"]) != _outputs(scenario["sparse"]["answers"])
+    assert _outputs(r["answers"]) == _outputs(scenario["fresh3"])
+    assert all(_spans(a) == ["3"] for a in r["answers"])
+    assert all(x["sparse"] is None for x in r["ranks"])  # a new meeting: dense

@@ -169,6 +169,7 @@ class ReshardState(Commit, Checks):
         self.derived = derived_buffers(model, self.where)
         self.staging = staging
         self.unchecked_family_ok = unchecked_family_ok
+        self.sparse = "off"  # what the trainer said it sends (its init info), reported
         self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
         self._version = 0
@@ -313,7 +314,8 @@ class ReshardState(Commit, Checks):
                 "shadow_bytes": shadow_bytes, "extra_bytes": buffer_bytes + shadow_bytes,
                 "commit_transient_bytes": self._commit_transient(),
                 "rss_extra": rss_bytes() - self.rss_at_init,
-                "checksum": sorted({str(ex.checksum) for ex in self.receiver.executors})}
+                "checksum": sorted({str(ex.checksum) for ex in self.receiver.executors}),
+                "sparse": self.sparse}
 
     def _commit_transient(self) -> int:
         """Bytes a commit holds beyond the buffers, at its peak, as vLLM 0.32 CPU's

@@ -98,6 +98,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     #: the freed heap the engine's commit keeps before handing it back (None: all of
     #: it, a faster commit at more resident memory; docs/vllm.md, engine-side memory)
     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+    #: after the first refit, send only the changed engine-dtype values ("on", "auto",
+    #: "off"; docs/sparse.md); the engine's init info says which
+    sparse: str = "off"
 
     def worker_init_info(self) -> dict[str, Any]:
         """What the engine's ranks are given (``init_weight_transfer_engine``; over HTTP
@@ -106,7 +109,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
         info = {"master_address": self.master_address, "master_port": self.master_port,
                 "trainer_size": self.trainer_size, "staging": self.staging,
                 "budget_bytes": self.budget_bytes, "timeout_s": self.timeout_s,
-                "unchecked_family_ok": self.unchecked_family_ok}
+                "unchecked_family_ok": self.unchecked_family_ok, "sparse": self.sparse}
         if self.heap_slack_bytes != DEFAULT_COMMIT_HEAP_SLACK_BYTES:  # else the engine's
             info["heap_slack_bytes"] = self.heap_slack_bytes
         return info if self.token is None else {**info, "token": self.token}
@@ -120,9 +123,18 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
                 f"overlap=True cannot run with staging={self.staging!r}: the transfer would "
                 "write the live weights while the engine serves them; use staging='shadow' "
                 "(its cost: a copy of what each engine rank receives) or overlap=False")
+        if self.sparse not in ("auto", "on", "off"):
+            raise ConfigError(f"sparse must be one of ('auto', 'on', 'off'), got "
+                              f"{self.sparse!r}")
         if not 0 <= self.rank < self.trainer_size:
             raise ConfigError(f"rank must be in [0, {self.trainer_size}), got {self.rank}")
         check_heap_slack(self.heap_slack_bytes)
+
+
+def _sparse_summary(stats: Any) -> dict[str, Any] | None:
+    from reshard.refit.sparse import sparse_summary
+
+    return sparse_summary(stats)
 
 
 def _params_of(source: Any, trainer_size: int) -> tuple[Mapping[str, Any], dict[str, Any]]:
@@ -223,7 +235,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                     trainer_size=init_info.trainer_size,
                     inference_size=init_info.inference_size,
                     budget_bytes=init_info.budget_bytes, token=init_info.token,
-                    timeout=timedelta(seconds=init_info.timeout_s))
+                    timeout=timedelta(seconds=init_info.timeout_s), sparse=init_info.sparse)
             finally:
                 if told is not None:
                     told.result()  # the engine's own error, if it refused
@@ -258,7 +270,8 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                                         "(trainer_init with a new port)") from e
             try:
                 stats = self.sender.refit(version)
-                figures.update(transfer_seconds=stats.seconds, bytes_sent=stats.bytes_sent)
+                figures.update(transfer_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
+                               sparse=_sparse_summary(stats.sparse))
             except TransferError as e:
                 error = e
             if rank0:

@@ -207,9 +207,15 @@ class ReshardInitInfo(WeightTransferInitInfo):
     token: str | None = field(default=None, repr=False)
     #: the freed heap a commit keeps resident before handing it back (None: all of it)
     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+    #: the trainer's sparse mode (docs/sparse.md): the engine needs nothing for it (its
+    #: staging holds the last version whole) and reports it in ``reshard_info``
+    sparse: str = "off"
 
     def __post_init__(self) -> None:  # refused by the engine core, before any worker
         check_heap_slack(self.heap_slack_bytes)
+        if self.sparse not in ("auto", "on", "off"):
+            raise ConfigError(f"sparse must be one of ('auto', 'on', 'off'), got "
+                              f"{self.sparse!r}")
 
 
 @dataclass
@@ -297,6 +303,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 timeout_s=init_info.timeout_s,
                 unchecked_family_ok=init_info.unchecked_family_ok, token=init_info.token,
                 heap_slack_bytes=init_info.heap_slack_bytes)
+            self.state.sparse = init_info.sparse
             self.outcome.update(self.state.info())
         except Exception as e:
             self._failed("init_weight_transfer_engine", e)
