@@ -8,10 +8,12 @@ import torch
 import reshard as R
 from reshard.executor import Executor
 from reshard.tools.launch import run_processes
+from reshard.topology import Topology
 
 pytestmark = pytest.mark.multiproc
 
 METHODS = ["reshard", "p2p", "gather_broadcast"]
+RELAY = "reshard, relayed"  # the domain schedule on 2-rank domains, fanout="relay"
 
 
 def _globals(layouts: dict[str, R.Layout], seed: int) -> dict[str, torch.Tensor]:
@@ -34,7 +36,12 @@ def _worker(rank, world, cases, method, budget, ordered=False):
         mine_src = {n: lay.shard(full[n], rank) for n, lay in src.items() if rank in lay.rank_set}
         mine_dst = {n: torch.full(lay.local_shape(rank), -7, dtype=getattr(torch, lay.dtype))
                     for n, lay in dst.items() if rank in lay.rank_set}
-        ex = Executor(plan, method=method, budget_bytes=budget)
+        if method == RELAY:  # every 2 ranks a domain: replicas fed through relays
+            ex = Executor(plan, method="reshard", budget_bytes=budget,
+                          topology=Topology.uniform(2), fanout="relay")
+            assert ex.schedule.fanout == "relay"
+        else:
+            ex = Executor(plan, method=method, budget_bytes=budget)
         if ordered:  # the posting order of an order-matched backend (NCCL), over gloo
             ex._runner.ordered = True
         stats = ex.run(mine_src, mine_dst)
@@ -80,7 +87,7 @@ def _cases():
     return cases
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, RELAY])
 def test_methods_bit_identical(method):
     results = run_processes(_worker, 8, _cases(), method, 1 << 20, timeout=180)
     for rank, per_case in enumerate(results):
@@ -88,7 +95,7 @@ def test_methods_bit_identical(method):
             assert ok, f"rank {rank} case {i} method {method}"
 
 
-@pytest.mark.parametrize("method", ["p2p", "reshard"])
+@pytest.mark.parametrize("method", ["p2p", "reshard", RELAY])
 def test_round_by_round_posting_bit_identical(method):
     """The whole-round posting used where messages match only by order (NCCL)."""
     results = run_processes(_worker, 8, _cases(), method, 1 << 20, True, timeout=180)

@@ -21,6 +21,11 @@ share one long-lived TCP store hosted by trainer rank 0. Trainer rank 0 coordina
   ``rejoin_timeout`` stay, the others are dropped (a replica with a dead rank must come
   back under a new id).
 
+Replicas of one layout on different fast domains are fed through relays where the cost
+model says so (:mod:`reshard.fanout`): the trainer sends one copy per replica layout and
+the replicas forward the rest from their uncommitted shadows; a relay lost mid-refit
+fails that refit everywhere, like any lost rank.
+
 Plans are per replica and cached by (position in the group, layouts): growing from one
 replica to three plans only the two new ones; a replica that moves into the place of
 one that left, with the same layouts, reuses that plan; shrinking back plans nothing.
