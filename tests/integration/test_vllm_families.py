@@ -47,6 +47,7 @@ from test_vllm_refit import (  # noqa: E402
     JOB,
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
+    close_llm,
     generate,
     serve_long_prompt,
     start_llm,
@@ -139,7 +140,7 @@ def engine(model_dir: Path, tp: int, dtype: str, *, reshard: bool, kind: str) ->
 
 
 def close(llm: LLM) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    close_llm(llm)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,91 @@
+"""How the tests start and stop vLLM's engine processes: quickly, on a 2-core host.
+
+Two measures of the test harness only (nothing of them is in reshard, and neither
+changes what an engine computes):
+
+* **Workers forked from one forkserver.** vLLM CPU starts its TP workers (and a TP1
+  engine's core) with ``spawn``: every one imports torch and vLLM afresh, about 9 s of
+  each engine start here on 2 cores. :func:`install` gives vLLM a context whose processes
+  fork from one forkserver that imported vLLM once: a TP2 start takes 3-4 s against
+  10-17 s (measured 2026-12-05, tiny Llama, bf16). A forkserver's child would inherit the
+  forkserver's environment and working directory, not the test's of that moment, so each
+  child first takes the parent's as they were when vLLM asked for the process (what
+  spawn gives it): every engine still reads its own ``VLLM_CPU_OMP_THREADS_BIND``.
+* **Workers that exit at once.** A vLLM worker's interpreter spends 2-3 s here tearing
+  down its modules' objects at exit (its cyclic garbage collection at finalization), and
+  under load an engine shutdown ran into vLLM's 5 s grace and SIGTERM. :func:`close` has
+  the worker processes of an engine whose core runs in this process (TP2 and up, see
+  ``start_llm``) end with ``os._exit`` once they have done their own shutdown (queues,
+  process groups): a shutdown takes about 1 s.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any
+
+#: what a worker (and a TP1 engine core) imports: the forkserver imports it once
+PRELOAD = ["vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+           "vllm.v1.engine.core", "reshard.integrations.vllm.worker"]
+
+
+def _run_as_spawned(env: dict[str, str], cwd: str, target, args, kwargs):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    return target(*args, **kwargs)
+
+
+class _PreloadedContext:
+    """A multiprocessing context for vLLM: forkserver processes that start with the
+    parent's environment and directory of the moment, as spawned ones do."""
+
+    def __init__(self) -> None:
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
+
+    def Process(self, group=None, target=None, name=None, args=(), kwargs=None,
+                *, daemon=None):
+        return self._ctx.Process(group=group, target=_run_as_spawned, name=name,
+                                 args=(dict(os.environ), os.getcwd(), target, tuple(args),
+                                       dict(kwargs or {})),
+                                 daemon=daemon)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+_context: _PreloadedContext | None = None
+
+
+def install() -> None:
+    """vLLM's engine processes, from here on, fork from the preloaded forkserver."""
+    global _context
+    if _context is not None:
+        return
+    import vllm.v1.engine.utils as engine_utils
+    import vllm.v1.executor.multiproc_executor as executor
+
+    _context = _PreloadedContext()
+    executor.get_mp_context = engine_utils.get_mp_context = lambda: _context
+
+
+def close(llm) -> None:
+    """Shut ``llm`` down; its engine processes skip the interpreter's teardown."""
+    parent = os.getpid()
+
+    def exit_at_once(worker) -> int:  # pickled by value: the workers need not import this
+        import atexit
+
+        if os.getpid() != parent:  # never the test process itself
+            atexit.register(os._exit, 0)  # the last registered runs first
+        return os.getpid()
+
+    try:
+        # a function reaches the workers only from an engine core in this process (a
+        # TP1 engine's core, a process of its own, takes names only): TP2 and up here
+        if type(llm.llm_engine.engine_core).__name__ == "InprocClient":
+            llm.collective_rpc(exit_at_once, timeout=30)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
