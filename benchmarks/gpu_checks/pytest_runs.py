@@ -48,6 +48,11 @@ LEFT_OUT = {
     "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,
     "tests/unit/test_nemo_sim.py": "NeMo RL methods in the cost model: " + _PURE,
     "tests/unit/test_sim_fleet.py": "a fleet of replicas in the cost model: " + _PURE,
+    "tests/unit/test_sim_sparse.py": "sparse refits in the cost model: " + _PURE,
+    "tests/unit/test_sparse_auto.py": "the back-off rule of sparse 'auto' on numbers: " + _PURE,
+    "tests/unit/test_free_port.py": "the meeting port's choice (sockets only): " + _PURE,
+    "tests/unit/test_trl_adapter.py": "TRL adapter's refusals and its CPU attention stand-in: "
+                                      "needs trl; the CPU CI runs it",
     "tests/unit/test_demo_rl_args.py": "the RL demo's command line: " + _PURE,
     "tests/unit/test_refit_real.py": "the real-size refit benchmark's tables: " + _PURE,
     "tests/unit/test_layering.py": "import layering: " + _PURE,

@@ -29,9 +29,38 @@ __all__ = ["Comm", "backend_device_types", "collective", "free_port"]
 RELEASE_WAIT_S = 10.0
 
 
+#: where :func:`free_port` looks first: below the system's ephemeral ports
+_PORTS_FROM = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the system takes a client socket's own port from (Linux: from
+    ``/proc``; elsewhere IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at ``host`` now (a store or a group binds it soon after)."""
-    with socket.socket() as s:
+    """A TCP port free at ``host`` now (a store or a group binds it soon after), outside
+    the system's ephemeral range where it can: a port of that range can be handed, before
+    its user binds it, to any socket that asks for port 0 (gloo's pair listeners, zmq,
+    the process groups a Megatron trainer makes before it meets), and the store then
+    cannot listen ("Address already in use": a Megatron trainer job of the tests, seen
+    once, while the engine's ranks waited 180 s for its store)."""
+    import random
+
+    low, _ = _ephemeral_ports()
+    candidates = list(range(_PORTS_FROM, low)) if low > _PORTS_FROM + 100 else []
+    # a generator no test seeds: two processes must not walk the same sequence
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s, suppress(OSError):
+            s.bind((host, port))
+            return port
+    with socket.socket() as s:  # no such range here: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
 
