@@ -48,6 +48,7 @@ LEFT_OUT = {
     "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,
     "tests/unit/test_nemo_sim.py": "NeMo RL methods in the cost model: " + _PURE,
     "tests/unit/test_sim_fleet.py": "a fleet of replicas in the cost model: " + _PURE,
+    "tests/unit/test_bootstrap_plan.py": "a peer bootstrap's plan and refusals: " + _PURE,
     "tests/unit/test_sim_sparse.py": "sparse refits in the cost model: " + _PURE,
     "tests/unit/test_sparse_auto.py": "the back-off rule of sparse 'auto' on numbers: " + _PURE,
     "tests/unit/test_free_port.py": "the meeting port's choice (sockets only): " + _PURE,

@@ -51,6 +51,22 @@ def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, (4, 16), generator=g)
 
 
+def train_step(model, opt, step: int, rank: int, out_dir: str) -> torch.Tensor:
+    """One AdamW step on the step's batch; rank 0 saves the full state dict after it
+    (``out_dir/step{step}.pt``, appearing whole). Returns the loss."""
+    ids = batch(step, model.config.vocab_size)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    full = hf.full_state_dict(model)
+    if rank == 0:
+        tmp = Path(out_dir) / f".step{step}.pt"
+        torch.save(full, tmp)
+        tmp.rename(Path(out_dir) / f"step{step}.pt")
+    return loss
+
+
 def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shard: str,
             steps: int, fail_at: int, lr: float, method: str = "reshard",
             inference_size: int = 2, sparse: str = "off") -> list[dict]:
@@ -66,16 +82,7 @@ def trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, shar
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     log = []
     for step in range(1, steps + 1):
-        ids = batch(step, model.config.vocab_size)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        full = hf.full_state_dict(model)
-        if rank == 0:
-            tmp = Path(out_dir) / f".step{step}.pt"
-            torch.save(full, tmp)
-            tmp.rename(Path(out_dir) / f"step{step}.pt")  # appears whole
+        loss = train_step(model, opt, step, rank, out_dir)
         params.step, params.reads = step, 0
         try:
             stats = sender.refit(step)

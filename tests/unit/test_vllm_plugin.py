@@ -14,6 +14,7 @@ from reshard.integrations.vllm.state import require_plugin
 def test_committing_calls():
     ok = [{"ok": True, "committed": True, "version": 3}] * 2
     assert plugin.committed("reshard_refit", ok) == 3
+    assert plugin.committed("reshard_bootstrap", ok) == 3  # a new engine filled by peers
     assert plugin.committed("finish_weight_update", [None, None]) is True  # any backend
     failed = [{"ok": False, "version": 2}] * 2
     assert plugin.committed("reshard_refit", failed) is False

@@ -53,23 +53,30 @@ class RefitReceiver(Side):
         ``quant``: the FP8 block format of targets whose layout is ``float8_e4m3fn``
         (each with a float32 scale target ``<name>_scale_inv``); the trainer quantizes
         them on the way, shard by shard (``docs/fp8.md``)."""
-        if staging not in ("shadow", "none"):
-            raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
-        if (prepare is None) == (targets is None or layouts is None) or (
-                prepare is not None and (targets is not None or layouts is not None)):
-            raise ConfigError("give targets and layouts, or prepare= (not both)")
-        self.staging = staging
-        if prepare is None:
-            self._take(targets, direct)
+        made = self._targets_or_prepare(targets, layouts, staging, direct, prepare)
         meet_args = dict(side="inference", side_rank=rank, trainer_size=trainer_size,
-                         inference_size=inference_size, backend=backend,
-                         layouts=layouts if prepare is None else self._preparing(prepare),
+                         inference_size=inference_size, backend=backend, layouts=made,
                          timeout=connect_timeout or timeout, token=resolve_key(token),
                          listen=listen, quant=quant)
         super().__init__(meet(host, port, **meet_args), policy=None, budget_bytes=budget_bytes,
                          progress=progress, refit_timeout=refit_timeout, checksum=checksum,
                          meet_args=meet_args)
         self.shadow = self._new_shadow()
+
+    def _targets_or_prepare(self, targets, layouts, staging: str, direct: Collection[str],
+                            prepare: Prepare | None):
+        """Check the constructor's choice; the layouts, or a function of the other
+        side's that makes them (and this rank's targets) with ``prepare``."""
+        if staging not in ("shadow", "none"):
+            raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
+        if (prepare is None) == (targets is None or layouts is None) or (
+                prepare is not None and (targets is not None or layouts is not None)):
+            raise ConfigError("give targets and layouts, or prepare= (not both)")
+        self.staging = staging
+        if prepare is not None:
+            return self._preparing(prepare)
+        self._take(targets, direct)
+        return layouts
 
     def _take(self, targets: Mapping[str, torch.Tensor], direct: Collection[str]) -> None:
         unknown = sorted(set(direct) - set(targets))

@@ -217,6 +217,7 @@ class Commit:
             trims += 1
         seconds = time.perf_counter() - t0
         self._version, self.stale = self.receiver.version, False
+        self.whole = True  # the receiver's targets hold the live version: lendable
         self.last.update(committed=True, commit_seconds=seconds, stale=False,
                          commit_trims=trims,
                          swap_forward=self.forwards,

@@ -12,9 +12,10 @@ vLLM loads it in every one of its processes (entry point ``vllm.general_plugins`
 ``reshard = "reshard.integrations.vllm.plugin:load"``, installed with the package).
 There it wraps ``EngineCore.collective_rpc``, the one door of every worker call (offline
 ``LLM``, ``LLMEngine``, ``AsyncLLM`` / ``vllm serve``, Ray actors holding an ``LLM``):
-when a call committed new weights -- ``reshard_refit`` with a committed result, or
-``finish_weight_update`` (vLLM's weight-transfer protocol, whatever the backend) -- the
-engine core, before it schedules anything else:
+when a call committed new weights -- ``reshard_refit`` or ``reshard_bootstrap`` (a new
+engine filled from its peers) with a committed result, or ``finish_weight_update``
+(vLLM's weight-transfer protocol, whatever the backend) -- the engine core, before it
+schedules anything else:
 
 * resets the prefix cache with ``reset_running_requests=True``: requests in flight are
   preempted and put back in the waiting queue; when they run again they recompute their
@@ -65,7 +66,9 @@ log = logging.getLogger("reshard.vllm")
 
 PLUGIN_NAME = "reshard"
 #: Worker calls after which the live weights may be a new version.
-COMMITTING = ("reshard_refit", "finish_weight_update")
+COMMITTING = ("reshard_refit", "reshard_bootstrap", "finish_weight_update")
+#: Those of them whose replies say, per rank, whether it committed, and the version.
+_REPORTING = COMMITTING[:2]
 _LOADED = False
 
 
@@ -76,11 +79,11 @@ def loaded() -> bool:
 
 def committed(method: Any, results: Any) -> int | bool:
     """Whether a worker call committed new weights: the committed trainer step for a
-    ``reshard_refit`` that every rank committed, ``True`` for ``finish_weight_update``
-    (any backend), ``False`` otherwise."""
+    ``reshard_refit`` (or ``reshard_bootstrap``) that every rank committed, ``True`` for
+    ``finish_weight_update`` (any backend), ``False`` otherwise."""
     if method == "finish_weight_update":
         return True
-    if method != "reshard_refit" or not isinstance(results, list) or not results:
+    if method not in _REPORTING or not isinstance(results, list) or not results:
         return False
     done = [r for r in results if isinstance(r, dict) and r.get("committed")]
     if not done:
@@ -226,7 +229,7 @@ def _wrap(original: Any) -> Any:
         version = committed(method, results)
         if version is not False:
             _after_commit(self, version)
-            for r in results if method == "reshard_refit" else ():
+            for r in results if method in _REPORTING else ():
                 if isinstance(r, dict):
                     r["prefix_cache_reset"] = True
         return results

@@ -85,6 +85,7 @@ from reshard.integrations.vllm.mapping import (
     unmapped_sides,
 )
 from reshard.integrations.vllm.memory import HeapBound, reset_peak_rss, rss_bytes
+from reshard.integrations.vllm.peers import Peers
 from reshard.integrations.vllm.verify import Checks
 from reshard.refit.sparse import sparse_summary
 
@@ -142,10 +143,13 @@ def check_heap_slack(value: Any) -> int | None:
     return value
 
 
-class ReshardState(Commit, Checks):
+class ReshardState(Commit, Checks, Peers):
     """One vLLM rank's side of the refit: mapping, where each parameter is written,
-    logical buffers for the repacked ones, receiver; the commit (:class:`Commit`) and
-    the checks (:class:`Checks`) are mixed in."""
+    logical buffers for the repacked ones, receiver; the commit (:class:`Commit`), the
+    checks (:class:`Checks`) and peer bootstrap (:class:`Peers`) are mixed in.
+    ``bootstrap``: the number of live engines to fill this one from, at ``host:port``
+    (this engine's rank 0 hosts the meeting; ``trainer_size`` unused): the receiver
+    then meets them, and :meth:`meet_trainer` the trainer later."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
                  inference_size: int, host: str, port: int, trainer_size: int,
@@ -153,7 +157,8 @@ class ReshardState(Commit, Checks):
                  hf_tensors: Mapping[str, Sequence[int]] | None = None,
                  timeout_s: float = 120.0, unchecked_family_ok: bool = False,
                  token: str | None = None,
-                 heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES) -> None:
+                 heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES,
+                 bootstrap: int | None = None) -> None:
         from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
@@ -175,12 +180,12 @@ class ReshardState(Commit, Checks):
         self._version = 0
         self.measured_peak = reset_peak_rss()
         self.rss_at_init = rss_bytes()
-        common = dict(host=host, port=port, rank=rank, trainer_size=trainer_size,
-                      inference_size=inference_size, staging=staging,
-                      budget_bytes=budget_bytes, timeout=timedelta(seconds=timeout_s),
-                      token=token,
-                      quant=quant_format(vllm_config.model_config.hf_config))
-        if hf_tensors is not None:  # told by the caller
+        self.budget_bytes, self.token = budget_bytes, token
+        self._init_peers()
+        common = self._receiver_options(host, port, trainer_size)
+        if bootstrap is not None:  # learnt from the live engines it is filled from
+            self.receiver = self._bootstrap_receiver(host, port, bootstrap)
+        elif hf_tensors is not None:  # told by the caller
             targets, layouts, direct = self._prepare(hf_tensors)
             self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
         else:  # learnt from the trainer at the meeting
@@ -192,6 +197,14 @@ class ReshardState(Commit, Checks):
         self._counting = model.register_forward_pre_hook(self._count_forward)
         self.prepared: dict[str, torch.nn.Module] = {}  # module -> its stand-in (prepare)
         self.prepare_seconds = 0.0
+
+    def _receiver_options(self, host: str, port: int, trainer_size: int) -> dict[str, Any]:
+        """What the receiver meeting the trainer is given, but its tensors."""
+        return dict(host=host, port=port, rank=self.rank, trainer_size=trainer_size,
+                    inference_size=self.inference_size, staging=self.staging,
+                    budget_bytes=self.budget_bytes, timeout=timedelta(seconds=self.timeout_s),
+                    token=self.token,
+                    quant=quant_format(self.vllm_config.model_config.hf_config))
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self.forwards += 1
@@ -361,6 +374,7 @@ class ReshardState(Commit, Checks):
         forward_at_start = self.forwards
         self.prepared = {}  # made for a version that never went live: gone
         try:
+            self._stop_lending()  # this refit writes what a lending reads
             self.prepare_seconds = 0.0
             stats = self.receiver.refit(go_live=go_live,
                                         ready=self.prepare if prepare else None)

@@ -99,7 +99,12 @@ class ReshardWorkerExtension:
         (else the workers' ``$RESHARD_TOKEN``): the trainer's token (docs/security.md).
         ``heap_slack_bytes``: the freed heap a commit keeps before handing it back to the
         system; ``None`` keeps it all, for a faster commit at more resident memory
-        (:data:`reshard.defaults.DEFAULT_COMMIT_HEAP_SLACK_BYTES`)."""
+        (:data:`reshard.defaults.DEFAULT_COMMIT_HEAP_SLACK_BYTES`). After
+        :meth:`reshard_bootstrap` the filled state meets the trainer instead, keeping its
+        version and weights (only ``token`` is read of the options)."""
+        state = getattr(self, "_reshard", None)
+        if state is not None and state.version and state.bootstrapped:
+            return state.meet_trainer(host, port, trainer_size, token)
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
         self._reshard = ReshardState(
@@ -109,6 +114,41 @@ class ReshardWorkerExtension:
             timeout_s=timeout_s, unchecked_family_ok=unchecked_family_ok, token=token,
             heap_slack_bytes=heap_slack_bytes)
         return self._reshard.info()
+
+    @_reported
+    def reshard_bootstrap(self, host: str, port: int, num_peers: int,
+                          budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
+                          timeout_s: float = 120.0, token: str | None = None,
+                          heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+                          ) -> dict[str, Any]:
+        """Fill this engine from ``num_peers`` live engines' committed weights, without
+        the trainer (collective with their :meth:`reshard_lend`; this engine's rank 0
+        hosts the meeting at ``host:port``): the peers' tensor names and shapes make the
+        mapping, each region comes from one peer, and the version goes live only once
+        every rank of every engine confirmed. Returns the outcome as
+        :meth:`reshard_refit` does (``ok: False`` and ``error`` when it failed: nothing
+        of it live, try again). Then :meth:`reshard_init` meets the trainer."""
+        self._reshard_drop()
+        self._reshard = ReshardState(
+            self.model_runner.get_model(), self.vllm_config, rank=self.rank,
+            inference_size=self.vllm_config.parallel_config.world_size, host=host,
+            port=port, trainer_size=0, budget_bytes=budget_bytes, timeout_s=timeout_s,
+            token=token, heap_slack_bytes=heap_slack_bytes, bootstrap=num_peers)
+        return self._reshard.refit()
+
+    @_reported
+    def reshard_lend(self, host: str, port: int, peer: int) -> dict[str, Any]:
+        """Lend this engine's committed weights to a new engine bootstrapping at
+        ``host:port`` (its :meth:`reshard_bootstrap`), as peer number ``peer``: a thread
+        on every worker sends while the engine goes on serving; returns at once.
+        :meth:`reshard_lent` gives the outcome; a refit waits for it."""
+        return self._reshard_state().lend(host, port, peer)
+
+    @_reported
+    def reshard_lent(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait for the last lending to end: {ok, version, bytes_sent, rounds, seconds,
+        forwards_during (this rank's forward passes meanwhile), error?}."""
+        return self._reshard_state().wait_lent(timeout_s)
 
     @_reported
     def reshard_refit(self) -> dict[str, Any]:

