@@ -64,7 +64,7 @@ from reshard.quant.blocks import BlockFormat
 __all__ = [
     "CHECKED_FAMILIES", "CONVERSIONS", "MOE_BLOCKS", "RULES", "UNCHECKED_FAMILIES_ENV",
     "UNMODELLED_CONFIG_FIELDS", "MappedTensor", "MappingError", "Slot", "VllmMapping",
-    "check_family", "hf_to_vllm", "padded_vocab", "quant_format", "unmapped_sides",
+    "check_family", "hf_to_vllm", "map_whole", "padded_vocab", "quant_format", "unmapped_sides",
     "VOCAB_PADDING",
 ]
 
@@ -296,6 +296,25 @@ def hf_to_vllm(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]]
                                f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
     _check_filled(tensors, shapes)
     return VllmMapping(tensors, shapes, tp, ctx.dtype)
+
+
+def map_whole(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[int]],
+              hf_tensors: Mapping[str, Sequence[int]], dtype: Any,
+              engine: str = "vLLM") -> VllmMapping:
+    """:func:`hf_to_vllm` of the trainer's tensors with every engine parameter filled;
+    or a :class:`MappingError` naming the first unmapped tensor on each side (``engine``
+    names the parameters' side: vLLM, or SGLang, whose parameters are vLLM's)."""
+    try:
+        mapping = hf_to_vllm(config, tp, logical_shapes, hf_tensors=hf_tensors, dtype=dtype)
+    except MappingError as e:
+        raise MappingError(f"{e}{unmapped_sides(config, tp, logical_shapes, hf_tensors)}"
+                           ) from None
+    uncovered = mapping.uncovered(logical_shapes)
+    if uncovered:
+        raise MappingError(f"{engine} parameters that no trainer tensor fills: {uncovered[:8]} "
+                           f"(first: {uncovered[0]!r}); a refit would leave them unset"
+                           f"{unmapped_sides(config, tp, logical_shapes, hf_tensors)}")
+    return mapping
 
 
 def quant_format(config: Any) -> BlockFormat | None:

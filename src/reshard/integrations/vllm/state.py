@@ -80,9 +80,8 @@ from reshard.integrations.vllm.mapping import (
     MappingError,
     VllmMapping,
     check_family,
-    hf_to_vllm,
+    map_whole,
     quant_format,
-    unmapped_sides,
 )
 from reshard.integrations.vllm.memory import HeapBound, reset_peak_rss, rss_bytes
 from reshard.integrations.vllm.peers import Peers
@@ -119,18 +118,7 @@ def map_or_explain(hf_config: Any, tp: int, logical_shapes: Mapping[str, Any],
     when its refit was never checked end to end and the caller did not opt in
     (:func:`reshard.integrations.vllm.mapping.check_family`)."""
     check_family(hf_config, unchecked_family_ok)
-    try:
-        mapping = hf_to_vllm(hf_config, tp, logical_shapes, hf_tensors=hf_tensors,
-                             dtype=dtype)
-    except MappingError as e:
-        raise MappingError(f"{e}{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}"
-                           ) from None
-    uncovered = mapping.uncovered(logical_shapes)
-    if uncovered:
-        raise MappingError(f"vLLM parameters that no trainer tensor fills: {uncovered[:8]} "
-                           f"(first: {uncovered[0]!r}); a refit would leave them unset"
-                           f"{unmapped_sides(hf_config, tp, logical_shapes, hf_tensors)}")
-    return mapping
+    return map_whole(hf_config, tp, logical_shapes, hf_tensors, dtype)
 
 
 def check_heap_slack(value: Any) -> int | None:
