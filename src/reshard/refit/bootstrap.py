@@ -48,7 +48,7 @@ from reshard.layout import Layout
 from reshard.pieces import LocalView, Piece
 from reshard.planner import Plan
 from reshard.refit.receiver import Prepare, RefitReceiver
-from reshard.refit.rendezvous import Meeting, _agree, _own_layouts, _Refused, meeting_digest_key
+from reshard.refit.rendezvous import Meeting, Refused, agree, meeting_digest_key, own_layouts
 from reshard.refit.side import RefitStats, Side
 
 __all__ = ["BootstrapReceiver", "BootstrapSender", "PeerInfo", "bootstrap_plan"]
@@ -182,8 +182,8 @@ def _meet(host: str, port: int, own: _Own, *, num_peers: int | None,
                                             timeout, "peers")]
     if new:  # every rank makes its targets from the peers' names, shapes and dtypes
         problem = peers_problem(peers)
-        mine = (_Refused("PlanError", problem) if problem else
-                _own_layouts(layouts, 0, peers[0].layouts))
+        mine = (Refused("PlanError", problem) if problem else
+                own_layouts(layouts, 0, peers[0].layouts))
         if own.rank == 0:
             kv.set("new/layouts", pickle.dumps(mine))
     theirs = pickle.loads(_wait(kv, ["new/layouts"], timeout, "the new replica")[0])
@@ -192,7 +192,7 @@ def _meet(host: str, port: int, own: _Own, *, num_peers: int | None,
     comm = Comm.from_existing_store(dist.PrefixStore("group", kv), rank, total + new_tp,
                                     backend=backend, timeout=timeout, name=_PREFIX)
     the_plan, fingerprint, problem = None, None, None
-    if isinstance(theirs, _Refused):
+    if isinstance(theirs, Refused):
         problem = (theirs.kind, theirs.message)
     else:
         try:
@@ -200,7 +200,7 @@ def _meet(host: str, port: int, own: _Own, *, num_peers: int | None,
             fingerprint = the_plan.fingerprint()
         except ReshardError as e:
             problem = (type(e).__name__, str(e))
-    _agree(comm.all_gather_object((rank, fingerprint, problem)))
+    agree(comm.all_gather_object((rank, fingerprint, problem)))
     return Meeting(comm, the_plan, rank, "inference" if new else "trainer",
                    total if new else 0, digest_key)
 

@@ -30,7 +30,7 @@ from reshard.quant.blocks import BlockFormat
 from reshard.quant.targets import Fp8Refit, plan_fp8_refit
 from reshard.store import refusals, token_notice, token_notices
 
-__all__ = ["Meeting", "meet", "meeting_digest_key"]
+__all__ = ["Meeting", "Refused", "agree", "meet", "meeting_digest_key", "own_layouts"]
 
 SIDES = ("trainer", "inference")
 _POLL_S = 0.05  # how often a rank waiting for the other job looks for a token notice
@@ -57,7 +57,7 @@ LayoutsFromTrainer = Callable[[Mapping[str, Layout]], Mapping[str, Layout]]
 
 
 @dataclass(frozen=True)
-class _Refused:
+class Refused:
     """Published instead of layouts when a side could not make them."""
 
     kind: str
@@ -108,12 +108,12 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     digest_key = meeting_digest_key(store, key, rank == 0, timeout)
     trainer_layouts = None
     if side == "trainer":  # published before the group forms: a receiver may need them
-        mine = _own_layouts(layouts, offset, None)
+        mine = own_layouts(layouts, offset, None)
         if side_rank == 0:
             store.set("reshard/layouts/trainer", pickle.dumps(mine))
     else:
         trainer_layouts = _read_layouts(store, "trainer", timeout)
-        mine = _own_layouts(layouts, offset, trainer_layouts)
+        mine = own_layouts(layouts, offset, trainer_layouts)
     comm = Comm.from_existing_store(store, rank, world, backend=backend, timeout=timeout)
     if side == "inference" and side_rank == 0:  # the format first: read once layouts are
         comm.store.set("reshard/quant/inference", pickle.dumps(quant))
@@ -126,7 +126,7 @@ def meet(host: str, port: int, *, side: str, side_rank: int, trainer_size: int,
     the_plan, fp8, fingerprint, problem = _plan_or_problem(
         mine, theirs, side, allow_cast, quant, trainer_size)
     views = comm.all_gather_object((rank, fingerprint, problem))
-    _agree(views)
+    agree(views)
     assert the_plan is not None
     return Meeting(comm, the_plan, rank, side, offset, digest_key, fp8)
 
@@ -142,29 +142,29 @@ def meeting_digest_key(store, key: Key | None, host: bool, timeout: timedelta) -
     return key.derive(b"digest|" + store.get("reshard/meeting/nonce"))
 
 
-def _read_layouts(store, side: str, timeout: timedelta) -> dict[str, Layout] | _Refused:
+def _read_layouts(store, side: str, timeout: timedelta) -> dict[str, Layout] | Refused:
     store.wait([f"reshard/layouts/{side}"], timeout)
     return pickle.loads(store.get(f"reshard/layouts/{side}"))
 
 
-def _own_layouts(layouts: Mapping[str, Layout] | LayoutsFromTrainer, offset: int,
-                 trainer: dict[str, Layout] | _Refused | None) -> dict[str, Layout] | _Refused:
+def own_layouts(layouts: Mapping[str, Layout] | LayoutsFromTrainer, offset: int,
+                 trainer: dict[str, Layout] | Refused | None) -> dict[str, Layout] | Refused:
     """This side's layouts in group ranks, or why it could not make them."""
-    if isinstance(trainer, _Refused):
+    if isinstance(trainer, Refused):
         return trainer
     try:
         if callable(layouts):  # the trainer's ranks come first: its own numbers already
             layouts = layouts(dict(trainer))
         return {name: lay.shifted(offset) for name, lay in layouts.items()}
     except ReshardError as e:
-        return _Refused(type(e).__name__, str(e))
+        return Refused(type(e).__name__, str(e))
 
 
 def _plan_or_problem(mine, theirs, side: str, allow_cast: bool, quant: BlockFormat | None,
                      trainer_size: int):
     """``(plan, fp8 part, fingerprint, None)``, or ``(None, None, None, (error class
     name, message))``."""
-    refused = next((x for x in (mine, theirs) if isinstance(x, _Refused)), None)
+    refused = next((x for x in (mine, theirs) if isinstance(x, Refused)), None)
     if refused is not None:
         return None, None, None, (refused.kind, refused.message)
     src, dst = (mine, theirs) if side == "trainer" else (theirs, mine)
@@ -266,7 +266,9 @@ def _leave_together(store, side_rank: int, sizes: tuple[int, int], told: bool,
                 time.sleep(0.02)
 
 
-def _agree(views: list[tuple[int, str | None, tuple[str, str] | None]]) -> None:
+def agree(views: list[tuple[int, str | None, tuple[str, str] | None]]) -> None:
+    """Every rank's ``(rank, plan fingerprint, problem)`` seen alike: the first problem
+    raised as its own error class, or different fingerprints refused, before a byte moves."""
     problems = [(r, p) for r, _, p in views if p]
     if problems:
         r, (kind, p) = problems[0]
