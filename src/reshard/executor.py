@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from reshard._transport.runner import RankRunner, RunStats
+from reshard._transport.sparse_copies import Copies
 from reshard._transport.sparse_runner import SparseRunner, SparseStats
 from reshard.comm import Comm, backend_device_types
 from reshard.defaults import ALL_METHODS, CHECKSUMS, COLOCATED, DEFAULT_BUDGET_BYTES
@@ -26,7 +27,8 @@ from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
 
-__all__ = ["Executor", "RunStats", "SparseStats", "checksum_kind", "execute", "local_problem"]
+__all__ = ["Copies", "Executor", "RunStats", "SparseStats", "checksum_kind", "execute",
+           "local_problem"]
 
 
 class Executor:
@@ -88,18 +90,20 @@ class Executor:
             self._baseline = GatherBroadcast(plan, self.comm, self.dtypes,
                                              bucket_bytes=budget_bytes)
 
-    def sparse_runner(self) -> SparseRunner:
+    def sparse_runner(self, copies: Any = None) -> SparseRunner:
         """This executor's transport for sparse refits (made once; ``reshard`` and
         ``p2p`` only): the plan's regions as the flat schedule cuts them, straight from
         each chosen sender, only what changed since the last committed version
-        (:mod:`reshard.refit.sparse`)."""
+        (:mod:`reshard.refit.sparse`); ``copies``: the sender's region copies, which the
+        caller keeps."""
         if self.method not in ("reshard", "p2p"):
             raise ConfigError(f"sparse refits carry the reshard and p2p methods, not "
                               f"{self.method!r}")
         if self._sparse is None:
             self._sparse = SparseRunner(self.plan, self.comm, budget_bytes=self.budget_bytes,
                                         staging_bytes=self.staging_bytes,
-                                        checksum=self.checksum, digest_key=self._digest_key)
+                                        checksum=self.checksum, digest_key=self._digest_key,
+                                        copies=copies, same_source=self.same_source)
         return self._sparse
 
     def release(self) -> None:

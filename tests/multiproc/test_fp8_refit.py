@@ -31,6 +31,8 @@ pytestmark = pytest.mark.multiproc
 T, I = 3, 2  # noqa: E741
 BLOCK = (128, 128)
 STEPS = (1, 2)
+SPARSE_STEPS = (1, 2, 3)  # step 3: step 2 with a.weight's first rows scaled (their amax)
+SCALED_ROWS = 8
 
 
 def _rows(cuts, ncols, dtype):
@@ -84,42 +86,48 @@ def engine_layouts(bad: bool = False) -> dict[str, R.Layout]:
 def _full(name: str, layout: R.Layout, step: int) -> torch.Tensor:
     """The whole tensor (only the parent and the replicated norm's holders build it)."""
     shape = layout.shape if len(layout.shape) == 2 else (1, *layout.shape)
-    full = values((0, 0), shape, _seed(name, step), getattr(torch, layout.dtype))
+    full = values((0, 0), shape, _seed(name, min(step, 2)), getattr(torch, layout.dtype))
+    if step == 3 and name == "a.weight":
+        full[:SCALED_ROWS] *= 1.25
     return full.view(layout.shape)
 
 
 def _own(name: str, layout: R.Layout, rank: int, step: int) -> torch.Tensor:
     if len(layout.shape) == 1:
         return _full(name, layout, step)
-    return _local(layout, rank, _seed(name, step))
+    local = _local(layout, rank, _seed(name, min(step, 2)))
+    if step == 3 and name == "a.weight" and rank == 0:  # rank 0 holds rows 0-59
+        local[:SCALED_ROWS] *= 1.25
+    return local
 
 
 def _seed(name: str, step: int) -> int:
     return sorted(trainer_layouts()).index(name) * 10 + step
 
 
-def _meet(rank, port, fmt, bad=False):
+def _meet(rank, port, fmt, bad=False, sparse="off"):
     opts = dict(host="127.0.0.1", port=port, trainer_size=T, inference_size=I,
                 timeout=timedelta(seconds=60))
     if rank < T:
         layouts = trainer_layouts()
         params = {n: _own(n, lay, rank, 0) for n, lay in layouts.items()}
-        return RefitSender(params, layouts=layouts, rank=rank, **opts), params
+        return RefitSender(params, layouts=layouts, rank=rank, sparse=sparse, **opts), params
     layouts = engine_layouts(bad)
     targets = {n: torch.zeros(lay.local_shape(rank - T), dtype=getattr(torch, lay.dtype))
                for n, lay in layouts.items()}
     return RefitReceiver(targets, layouts, rank=rank - T, quant=fmt, **opts), targets
 
 
-def _refits(rank, port, fmt):
-    side, tensors = _meet(rank, port, fmt)
+def _refits(rank, port, fmt, sparse="off", steps=STEPS):
+    side, tensors = _meet(rank, port, fmt, sparse=sparse)
     out = []
-    for step in STEPS:
+    for step in steps:
         if rank < T:
             for n, lay in trainer_layouts().items():
                 tensors[n].copy_(_own(n, lay, rank, step))
             stats = side.refit(step)
-            out.append({"sent": stats.bytes_sent, "amax": stats.amax_bytes})
+            out.append({"sent": stats.bytes_sent, "amax": stats.amax_bytes,
+                        "sparse": stats.sparse})
         else:
             stats = side.refit()
             out.append({"received": stats.bytes_received, "version": stats.version,
@@ -159,12 +167,13 @@ def _bad_source(rank, port):
 def _job(rank, _world, ports):
     return {"plain": _refits(rank, ports[0], BlockFormat(BLOCK)),
             "ue8m0": _refits(rank, ports[1], BlockFormat(BLOCK, ue8m0=True)),
-            "refused": _refused(rank, ports[2]), "bad_source": _bad_source(rank, ports[3])}
+            "refused": _refused(rank, ports[2]), "bad_source": _bad_source(rank, ports[3]),
+            "sparse": _refits(rank, ports[4], BlockFormat(BLOCK), "on", SPARSE_STEPS)}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_processes(_job, T + I, [free_port() for _ in range(4)], init=False,
+    return run_processes(_job, T + I, [free_port() for _ in range(5)], init=False,
                          timeout=240)
 
 
@@ -189,11 +198,11 @@ def _expected(rank: int, step: int, fmt: BlockFormat) -> dict[str, torch.Tensor]
     return {n: t.contiguous().view(torch.uint8) for n, t in out.items()}
 
 
-@pytest.mark.parametrize("kind", ["plain", "ue8m0"])
+@pytest.mark.parametrize("kind", ["plain", "ue8m0", "sparse"])
 def test_engine_ranks_get_the_reference_fp8_codes_and_scales(results, kind):
     fmt = BlockFormat(BLOCK, ue8m0=kind == "ue8m0")
     for engine_rank, res in enumerate(results[T:]):
-        for step, got in zip(STEPS, res[kind]):
+        for step, got in zip(SPARSE_STEPS if kind == "sparse" else STEPS, res[kind]):
             assert got["version"] == step
             want = _expected(engine_rank, step, fmt)
             assert sorted(got["bytes"]) == sorted(want)
@@ -229,3 +238,19 @@ def test_a_bad_source_tensor_is_refused_on_every_rank_before_quantizing(results)
         assert message.startswith("rank 1: source tensor 'o.weight' has local shape "
                                   "[256, 129], its layout says [256, 130]"), message
         assert message.endswith("nothing was moved")
+
+
+def test_sparse_fp8_refits_send_only_the_changed_codes_and_scales(results):
+    """``sparse="on"`` into FP8 engine tensors: after the first (dense) refit each trainer
+    rank compares the FP8 codes and scales it quantized with those it sent; step 3
+    scales a.weight's first rows on trainer rank 0 (their blocks' amax, so their scales
+    and every code of those blocks change): only they travel, exactly (checked above)."""
+    first, second, third = zip(*(r["sparse"] for r in results[:T]))
+    assert all(s["sparse"].used is False for s in first)  # no copy to diff against yet
+    assert all(s["sparse"].used for s in second + third)
+    dense = sum(s["sent"] for s in first)
+    assert sum(s["sent"] for s in third) < 0.1 * dense
+    assert third[0]["sparse"].changed > 0  # rank 0's rows changed
+    assert third[1]["sparse"].changed == third[2]["sparse"].changed == 0
+    # the copy: the FP8 codes and scales (and the fp32 norm) this rank sends, as sent
+    assert all(s["sparse"].state_bytes > 0 for s in third)

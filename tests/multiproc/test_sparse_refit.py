@@ -26,8 +26,9 @@ TRAINER = {"w": R.Layout(SHAPE, R.Mesh([0, 1]), [R.Shard(0)]),
 ENGINE = {"w": R.Layout(SHAPE, R.Mesh([0, 1]), [R.Shard(1)], "bfloat16"),
           "norm": R.Layout((48,), R.Mesh([0, 1]), [R.Replicate()], "bfloat16")}
 JOBS = dict(host="127.0.0.1", trainer_size=2, inference_size=2, checksum="crc32")
-#: per step: the fraction of elements changed; ``None``: the trainer fails midway
-STEPS = [1.0, 0.02, 0.05, None, 0.01, 0.9, 0.01]
+#: per step: the fraction of elements changed; ``None``: the trainer fails midway; the
+#: last step changes nothing (a sparse refit of no payload at all)
+STEPS = [1.0, 0.02, 0.05, None, 0.01, 0.9, 0.01, 0.0]
 FORGET_AT = 3  # engine rank 1 drops its base before this refit
 
 
@@ -109,18 +110,24 @@ def _guard(f):
     return run
 
 
-def _run(mode):
-    ctx, port = mp.get_context("fork"), free_port()
-    out = ctx.Queue()
-    jobs = [ctx.Process(target=_guard(f), args=(r, port, mode, out))
-            for f in (trainer, engine) for r in (0, 1)]
-    for p in jobs:
+def _processes(ctx, out, jobs: list[tuple]) -> list:
+    """Run ``(function, args)`` each in a forked process; what each put in ``out``."""
+    procs = [ctx.Process(target=_guard(f), args=args) for f, args in jobs]
+    for p in procs:
         p.start()
-    got = [out.get(timeout=120) for _ in jobs]
-    for p in jobs:
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
         p.join(60)
     errors = [g[1] for g in got if g[0] == "error"]
     assert not errors, errors[0]
+    return got
+
+
+def _run(mode):
+    ctx, port = mp.get_context("fork"), free_port()
+    out = ctx.Queue()
+    got = _processes(ctx, out, [(f, (r, port, mode, out)) for f in (trainer, engine)
+                                for r in (0, 1)])
     return ({r: log for side, r, log, _ in got if side == "trainer"},
             {r: log for side, r, log, _ in got if side == "engine"},
             {r: b for side, r, _, b in got if side == "trainer"})
@@ -131,7 +138,7 @@ def test_sparse_refits_land_exactly_dense_where_the_base_differs():
     dense = SHAPE[0] * SHAPE[1] // 2 * 2 + 48 * 2  # one engine rank's bf16 bytes
     fail = STEPS.index(None) + 1
     for log in engines.values():
-        assert [v for _, v, _, _, _ in log] == [1, 2, 3, 3, 5, 6, 7]
+        assert [v for _, v, _, _, _ in log] == [1, 2, 3, 3, 5, 6, 7, 8]
         assert all(exact for _, _, exact, _, _ in log), log  # every step, bit for bit
         assert log[fail - 1][0] == "failed"
         first, second = log[0], log[1]
@@ -141,7 +148,8 @@ def test_sparse_refits_land_exactly_dense_where_the_base_differs():
         # the refit after the failure: no engine rank holds a base, a plain dense refit
         after = log[fail]
         assert after[4] is None and after[3] == dense
-        assert log[-1][4].used and log[-1][3] < 0.1 * dense  # 1% changed, sparse again
+        assert log[-2][4].used and log[-2][3] < 0.1 * dense  # 1% changed, sparse again
+        assert log[-1][4].used and log[-1][4].changed == 0 and log[-1][3] < 100  # headers
     # engine rank 1 forgot its base: dense to it, sparse to rank 0, in the same refit
     assert engines[1][FORGET_AT - 1][4].regions_by_encoding.keys() == {"dense"}
     assert engines[1][FORGET_AT - 1][3] >= dense
@@ -167,3 +175,163 @@ def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay():
         # casts)
         assert kinds[1] - {"dense"} and log[5][2].used, kinds
         assert kinds[6] == {"dense"} and log[6][2].used, kinds
+
+
+# -- elastic replicas: a joiner gets dense while the others get sparse -------------------
+ELASTIC_STEPS = [1.0, 0.02, 0.03, 0.01]  # changed per step; B and C join before step 3
+JOIN_AT = 3
+REPLICAS = {"A": 2, "B": 2, "C": 1}  # A and B share a layout (TP2), C is TP1
+
+
+def elastic_full(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(SHAPE, generator=g), "norm": torch.randn(48, generator=g)}
+    for frac in ELASTIC_STEPS[1:step]:
+        for t in state.values():
+            hit = torch.rand(t.shape, generator=g) < frac
+            t[hit] = torch.randn(int(hit.sum()), generator=g)
+    return state
+
+
+def replica_layouts(tp: int) -> dict[str, R.Layout]:
+    mesh = R.Mesh(list(range(tp)))
+    return {"w": R.Layout(SHAPE, mesh, [R.Shard(1)], "bfloat16"),
+            "norm": R.Layout((48,), mesh, [R.Replicate()], "bfloat16")}
+
+
+def elastic_trainer(rank, port, joined, out):
+    from reshard.refit.elastic import ElasticSender
+
+    params = {n: TRAINER[n].shard(t, rank).clone() for n, t in elastic_full(1).items()}
+    sender = ElasticSender(params, TRAINER, host="127.0.0.1", port=port, rank=rank,
+                           trainer_size=2, sparse="on", checksum="crc32")
+    log = []
+    for step in range(1, len(ELASTIC_STEPS) + 1):
+        for n, t in elastic_full(step).items():
+            params[n].copy_(TRAINER[n].shard(t, rank))
+        if step == JOIN_AT:
+            joined.set()  # B and C ask to join now
+        if rank == 0 and step in (1, JOIN_AT):
+            sender.wait_for_requests(1 if step == 1 else 3)
+        s = sender.refit(step)
+        log.append((s.sparse, sender.offsets, sender.side.sparse_refits.state_bytes()))
+    out.put(("trainer", rank, log))
+
+
+def elastic_replica(rid, rank, port, joined, out):
+    from reshard.refit.elastic import ElasticReceiver
+
+    if rid != "A":
+        joined.wait(60)
+    tp = REPLICAS[rid]
+    lays = replica_layouts(tp)
+    served = {n: torch.zeros(lays[n].local_shape(rank), dtype=torch.bfloat16) for n in lays}
+    receiver = ElasticReceiver(served, lays, host="127.0.0.1", port=port, replica_id=rid,
+                               rank=rank, tp_size=tp, checksum="crc32")
+    log = []
+    while receiver.version < len(ELASTIC_STEPS):
+        s = receiver.refit()
+        want = elastic_full(s.version)
+        exact = all(torch.equal(served[n].view(torch.int16), lays[n].shard(
+            want[n].bfloat16(), rank).view(torch.int16)) for n in lays)
+        log.append((s.version, exact, s.bytes_received, s.sparse))
+    receiver.close()
+    out.put((rid, rank, log))
+
+
+def test_elastic_joiners_get_dense_while_the_others_get_sparse_in_the_same_refit():
+    """Replica A (TP2) refits from step 1; B (TP2, A's layout) and C (TP1) join before
+    step 3: step 3 reaches A sparse and B, C dense (they missed versions 1 and 2), every
+    replica bit for bit; step 4 reaches all three sparse. The trainer keeps one copy per
+    region it sends, whichever replicas read it: A and B share theirs."""
+    ctx, port = mp.get_context("fork"), free_port()
+    out, joined = ctx.Queue(), ctx.Event()
+    got = _processes(ctx, out, [(elastic_trainer, (r, port, joined, out)) for r in (0, 1)]
+                     + [(elastic_replica, (rid, r, port, joined, out))
+                        for rid, tp in REPLICAS.items() for r in range(tp)])
+    logs = {(who, r): log for who, r, log in got}
+    dense = {tp: SHAPE[0] * SHAPE[1] * 2 // tp + 48 * 2 for tp in (1, 2)}  # bf16 a rank
+    for rid, tp in REPLICAS.items():
+        for r in range(tp):
+            log = logs[rid, r]
+            versions = [v for v, *_ in log]
+            assert versions == ([1, 2, 3, 4] if rid == "A" else [3, 4]), log
+            assert all(exact for _, exact, _, _ in log), log
+            at = {v: (received, sparse) for v, _, received, sparse in log}
+            # step 3: dense to the joiners, sparse to A; step 4: sparse to all
+            assert at[3][1].used
+            if rid == "A":
+                assert at[3][0] < 0.3 * dense[tp] and set(at[3][1].regions_by_encoding) - {
+                    "dense"}, at[3]
+            else:
+                assert at[3][0] >= dense[tp]
+                assert set(at[3][1].regions_by_encoding) == {"dense"}, at[3]
+            assert at[4][0] < 0.3 * dense[tp], at[4]
+    for r in (0, 1):
+        log = logs["trainer", r]
+        assert log[0][0].used is False  # the first refit: dense, no copy to diff against
+        stats3, offsets3, _ = log[JOIN_AT - 1]
+        joiners = {offsets3[rid] + i for rid in ("B", "C") for i in range(REPLICAS[rid])}
+        assert set(stats3.dense_peers) == joiners, (stats3.dense_peers, offsets3)
+        assert log[-1][0].dense_peers == ()
+        # one bf16 copy of what this rank sends per replica layout: A and B share theirs
+        # (the norm goes from one chosen trainer rank to each replica rank)
+        copies = log[-1][2]
+        assert SHAPE[0] * SHAPE[1] // 2 * 2 * 2 <= copies <= (SHAPE[0] * SHAPE[1] + 3 * 48) * 2 * 2
+
+
+# -- the colocated policy: its tensors go as in a dense refit, in the same refit ---------
+COLOCATED_STEPS = [1.0, 0.02, 0.02]
+
+
+def colocated_side(side, rank, port, out):
+    jobs = dict(host="127.0.0.1", port=port, trainer_size=2, inference_size=2)
+    log = []
+    if side == "trainer":
+        params = {n: TRAINER[n].shard(t, rank).clone() for n, t in full(0).items()}
+        sender = RefitSender(params, layouts=TRAINER, rank=rank, sparse="on",
+                             policy={"norm": "colocated"}, **jobs)
+        for step in range(1, len(COLOCATED_STEPS) + 1):
+            for n, t in colocated_full(step).items():
+                params[n].copy_(TRAINER[n].shard(t, rank))
+            log.append(sender.refit(step).sparse)
+    else:
+        served = {n: torch.zeros(ENGINE[n].local_shape(rank), dtype=torch.bfloat16)
+                  for n in ENGINE}
+        receiver = RefitReceiver(served, ENGINE, rank=rank, **jobs)
+        for _ in COLOCATED_STEPS:
+            s = receiver.refit()
+            want = colocated_full(s.version)
+            log.append((s.sparse, all(torch.equal(served[n].view(torch.int16), ENGINE[n].shard(
+                want[n].bfloat16(), rank).view(torch.int16)) for n in ENGINE)))
+    out.put((side, rank, log))
+
+
+def colocated_full(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    state = {"w": torch.randn(SHAPE, generator=g), "norm": torch.randn(48, generator=g)}
+    for frac in COLOCATED_STEPS[1:step]:
+        for t in state.values():
+            t[torch.rand(t.shape, generator=g) < frac] += 1.0
+        state["norm"] += 1.0  # the norm changes whole
+    return state
+
+
+def test_colocated_policy_tensors_go_dense_in_a_sparse_refit():
+    """``policy={"norm": "colocated"}`` with ``sparse="on"``: from the second refit ``w``
+    goes sparse while ``norm`` is read in place by the engine ranks as in a dense refit
+    (``dense_methods``), every weight bit for bit each step; the trainer keeps a copy
+    of ``w`` only."""
+    ctx, port = mp.get_context("fork"), free_port()
+    out = ctx.Queue()
+    got = _processes(ctx, out, [(colocated_side, (side, r, port, out))
+                                for side in ("trainer", "engine") for r in (0, 1)])
+    for side, _, log in got:
+        if side == "engine":
+            assert all(exact for _, exact in log), log
+            continue
+        assert not log[0].used and log[0].dense_methods == ()
+        for stats in log[1:]:
+            assert stats.used and stats.dense_methods == ("colocated",), stats
+            assert 0 < stats.changed_fraction < 0.1
+        assert log[-1].state_bytes == SHAPE[0] * SHAPE[1] // 2 * 2  # w's rows in bf16

@@ -16,6 +16,7 @@ import torch
 from reshard._transport import sparse as codec
 from reshard._transport.integrity import digest
 from reshard._transport.runner import wait_for
+from reshard._transport.sparse_copies import Copies, RegionCopy
 from reshard._transport.views import RegionViews
 from reshard.errors import TransferError
 from reshard.schedule import Hop, flat_schedule
@@ -48,6 +49,10 @@ class SparseStats:
     regions_by_encoding: dict[str, int] = field(default_factory=dict)
     dense_peers: tuple[int, ...] = ()
     """Sender: the receiving ranks sent dense because their base was not this rank's."""
+    dense_methods: tuple[str, ...] = ()
+    """The policies whose tensors went as in a dense refit, in the same refit
+    (``colocated``, ``gather_broadcast``: a sparse refit carries ``reshard`` and
+    ``p2p`` only)."""
     detect_seconds: float = 0.0
     """Sender: comparing and encoding. Receiver: decoding and applying."""
     state_bytes: int = 0
@@ -75,6 +80,7 @@ class SparseStats:
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
         self.dense_peers = tuple(sorted(set(self.dense_peers) | set(other.dense_peers)))
+        self.dense_methods = tuple(sorted(set(self.dense_methods) | set(other.dense_methods)))
         self.used = self.used or other.used
 
     def add(self, kind: int, nbytes: int, count: int, elements: int) -> None:
@@ -92,7 +98,7 @@ as a message of its own, straight from the sender's copy into the receiver's reg
 SAMPLE_ABOVE = 0.5
 """A region more than this fraction of which changed at the last refit is first
 compared on one row in :data:`SAMPLE_EVERY` ..."""
-SAMPLE_EVERY = 16
+SAMPLE_EVERY = 64
 DENSE_SAMPLED = 0.9
 """... and sent dense, without the full comparison, when more than this fraction of the
 sample changed (exact either way: a dense region is all its values)."""
@@ -108,7 +114,12 @@ class SparseRunner:
     copy part new: the caller drops its base then (:meth:`SparseRefits.failed`)."""
 
     def __init__(self, plan, comm, *, budget_bytes: int, staging_bytes: int | None,
-                 checksum: str | None = None, digest_key: bytes | None = None) -> None:
+                 checksum: str | None = None, digest_key: bytes | None = None,
+                 copies: Copies | None = None, same_source: dict[str, str] | None = None
+                 ) -> None:
+        """``copies``: the sender's region copies (kept by the caller across plans);
+        ``same_source``: tensor name -> the name of its data (replicas that are separate
+        tensors of the plan share their copies)."""
         self.comm, self.rank = comm, comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
         schedule = flat_schedule(plan, budget_bytes, staging_bytes)
@@ -123,8 +134,15 @@ class SparseRunner:
         self.in_units = _units(mine, lambda h: h.dst_rank == self.rank, lambda h: h.src_rank)
         self.sends = [h for p in sorted(self.out_units) for u in self.out_units[p] for h in u]
         self._slot = {id(h): i for i, h in enumerate(self.sends)}
-        self.last: list[torch.Tensor | None] = [None] * len(self.sends)
-        self._frac: list[float] = [1.0] * len(self.sends)  # changed at the last refit
+        same = same_source or {}
+        self.keys = [(same.get(h.name, h.name), h.src_offset, h.size, str(self.dtypes[h.name]))
+                     for h in self.sends]
+        self._uses: dict[tuple, int] = {}  # how many sends read each copy (replicas: > 1)
+        for key in self.keys:
+            self._uses[key] = self._uses.get(key, 0) + 1
+        self._memo: dict[tuple, list] = {}  # this run: a shared copy's encoding, uses left
+        self.copies = copies if copies is not None else Copies()
+        self.base: int | None = None  # the version the copies must hold to go sparse
         self._work: dict[tuple, torch.Tensor] = {}  # scratch: (dtype, device) -> buffer
         self.checksum, self.digest_key = checksum, digest_key
         self.deadline: float | None = None
@@ -135,17 +153,14 @@ class SparseRunner:
 
     @property
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.last if t is not None)
+        return self.copies.nbytes
 
     # -- the sender's copy -------------------------------------------------------------
-    def _copy(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Region ``i``'s copy (flat), and whether it held a value before."""
-        h, last = self.sends[i], self.last[i]
-        n = h.nbytes // self.dtypes[h.name].itemsize
-        if last is not None and last.numel() == n and last.device == like.device:
-            return last, True
-        self.last[i] = torch.empty(n, dtype=self.dtypes[h.name], device=like.device)
-        return self.last[i], False
+    def _copy(self, i: int, like: torch.Tensor) -> RegionCopy:
+        """Region ``i``'s copy."""
+        h = self.sends[i]
+        dtype = self.dtypes[h.name]
+        return self.copies.get(self.keys[i], h.nbytes // dtype.itemsize, dtype, like.device)
 
     def refresh(self, src) -> None:
         """Copy every region this rank sends, as it is now (after a dense refit): each
@@ -155,8 +170,9 @@ class SparseRunner:
             with torch.no_grad():
                 for i, h in enumerate(self.sends):
                     read = self.views.read(h)
-                    self._copy(i, read)[0].view(h.size).copy_(read)
-                    self._frac[i] = 1.0
+                    copy = self._copy(i, read)
+                    copy.values.view(h.size).copy_(read)
+                    copy.changed = 1.0
         finally:
             self.views.unbind()
 
@@ -167,10 +183,10 @@ class SparseRunner:
             buf = self._work[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
-    def _likely_dense(self, i: int, h: Hop, read: torch.Tensor, last: torch.Tensor) -> bool:
-        """Region ``i`` changed mostly at the last refit and does in a sample now."""
-        if (self._frac[i] <= SAMPLE_ABOVE or read.dim() < 2
-                or read.shape[0] < 2 * SAMPLE_EVERY):
+    def _likely_dense(self, h: Hop, read: torch.Tensor, copy: RegionCopy) -> bool:
+        """The region changed mostly at the last refit and does in a sample now."""
+        last = copy.values
+        if copy.changed <= SAMPLE_ABOVE or read.dim() < 2 or read.shape[0] < 2 * SAMPLE_EVERY:
             return False
         part = read[::SAMPLE_EVERY]
         new = self._scratch(last.dtype, read.device, part.numel()).view(part.shape)
@@ -181,27 +197,52 @@ class SparseRunner:
 
     def _encode_region(self, i: int, h: Hop, sparse: bool) -> codec.Encoded:
         """Region ``i`` now, against its copy, in its cheapest encoding (dense if not
-        ``sparse``); the copy becomes it."""
+        ``sparse``); the copy becomes it. A copy that several sends read (replicas of
+        one layout) is encoded once a run: sparse if any of them may take it so."""
+        key = self.keys[i]
+        if self._uses[key] == 1:
+            return self._encode_copy(i, h, sparse)
+        memo = self._memo.get(key)
+        if memo is None:
+            memo = self._memo[key] = [self._encode_copy(i, h, self._sparse_key[key]),
+                                      self._uses[key]]
+        memo[1] -= 1
+        enc = memo[0]
+        if memo[1] == 0:
+            del self._memo[key]
+        if sparse or enc.kind == codec.DENSE:
+            return enc
+        last = self.copies.regions[key].values  # a peer without the base: all of it
+        return codec.Encoded(codec.DENSE, last.numel(), h.nbytes, [last.view(torch.uint8)],
+                             None, last)
+
+    def _encode_copy(self, i: int, h: Hop, sparse: bool) -> codec.Encoded:
         read = self.views.read(h)
-        last, held = self._copy(i, read)
-        n = last.numel()
-        if not (sparse and held) or self._likely_dense(i, h, read, last):
+        copy = self._copy(i, read)
+        last, n = copy.values, copy.values.numel()
+        held = copy.version is not None and copy.version == self.base
+        if not (sparse and held) or self._likely_dense(h, read, copy):
             last.view(h.size).copy_(read)  # cast straight into the copy, sent from there
-            self._frac[i] = 1.0
+            copy.changed = 1.0
             return codec.Encoded(codec.DENSE, n, h.nbytes, [last.view(torch.uint8)], None,
                                  last)
         new = self._scratch(last.dtype, read.device, n)
         new.view(h.size).copy_(read)
         enc = codec.encode(new, last, mask=self._scratch(torch.bool, read.device, n),
                            update=True)
-        self._frac[i] = enc.count / n if n else 0.0
+        copy.changed = enc.count / n if n else 0.0
         return enc
 
     # -- one refit ---------------------------------------------------------------------
-    def run(self, src, dst, *, sparse_to: set[int]) -> SparseStats:
+    def run(self, src, dst, *, sparse_to: set[int], base: int | None = None) -> SparseStats:
         """Move this rank's regions, sparse to the peers in ``sparse_to`` (whose base is
-        this rank's), dense to the others; the copy is updated as it goes."""
+        ``base``, the version this rank's copies hold), dense to the others; the copies
+        are updated as it goes."""
         self._runs += 1
+        self.base, self._memo = base, {}
+        self._sparse_key = {}
+        for key, h in zip(self.keys, self.sends):
+            self._sparse_key[key] = self._sparse_key.get(key, False) or h.dst_rank in sparse_to
         self.broken, self.read_error, self.corrupt = False, None, None
         stats = SparseStats(used=True)
         self.views.bind(src, dst)
@@ -346,7 +387,7 @@ class SparseRunner:
             if _alone(kind, size):
                 if j in temps:
                     self.views.write(h).copy_(temps[j].view(dtype).view(h.size))
-            else:
+            elif size:  # nothing changed: no payload (a step may carry no body at all)
                 pos = -(-pos // 8) * 8
                 index, values = codec.decode(kind, n, count, body[pos:pos + size], dtype)
                 codec.apply(self.views.write(h), index, values)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from reshard import planner
 from reshard.comm import Comm
 from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
-from reshard.errors import PlanError, ReshardError, TransferError
+from reshard.errors import ConfigError, PlanError, ReshardError, TransferError
 from reshard.executor import Executor
 from reshard.fanout import check_fanout
 from reshard.gate import resolve_key
@@ -66,6 +66,7 @@ from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.refit.rendezvous import Meeting, meeting_digest_key
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
+from reshard.refit.sparse import SPARSE_MODES
 
 __all__ = ["Announcement", "ElasticReceiver", "ElasticSender"]
 
@@ -90,10 +91,10 @@ class _EpochSide(Side):
     def __init__(self, meeting: Meeting, *, method: str, budget_bytes: int,
                  progress: bool | Callable[[int, int], None],
                  refit_timeout: timedelta | None, checksum: bool | str | None,
-                 fanout: str = "auto") -> None:
+                 fanout: str = "auto", sparse: str | None = None) -> None:
         self.method, self.fanout = method, fanout
         super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
-                         refit_timeout=refit_timeout, checksum=checksum)
+                         refit_timeout=refit_timeout, checksum=checksum, sparse=sparse)
 
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         progress = self._options[2]  # the budget is the one every rank agreed on
@@ -112,6 +113,17 @@ class _EpochSide(Side):
             self.comm.close()
         self.broken = False
         self._setup(meeting)
+
+    def _new_sparse_group(self) -> None:
+        """A new epoch: every member keeps what it holds. A sender keeps its copies and
+        base (a refit that failed dropped them); a replica's shadow is made from its live
+        weights, which hold its version whole, so that version is its base (none for a
+        replica that never refitted)."""
+        if self.sparse_refits.mode is None:
+            self.sparse_refits.reset()
+            self.sparse_refits.base = self.version or None
+        else:
+            self.sparse_refits.new_group()
 
 
 def _layout_key(layouts: Mapping[str, Layout]) -> tuple:
@@ -166,7 +178,7 @@ class _Participant:
                  refit_timeout: timedelta | None, checksum: bool | str | None,
                  progress: bool | Callable[[int, int], None],
                  token: str | bytes | None = None, listen: str | None = None,
-                 fanout: str = "auto") -> None:
+                 fanout: str = "auto", sparse: str | None = None) -> None:
         self.timeout, self.backend = timeout, backend
         key = resolve_key(token)
         self.store = Comm.open_store(host, port, 0 if is_master else 1, None,
@@ -176,7 +188,7 @@ class _Participant:
         self.kv = dist.PrefixStore(_PREFIX, self.store)
         self._side_opts = dict(method=method, budget_bytes=budget_bytes, progress=progress,
                                refit_timeout=refit_timeout, checksum=checksum,
-                               fanout=check_fanout(fanout))
+                               fanout=check_fanout(fanout), sparse=sparse)
         self.side: _EpochSide | None = None
         self.epoch = 0
         self.version = 0
@@ -250,20 +262,26 @@ class ElasticSender(_Participant):
                  rejoin_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,
                  token: str | bytes | None = None, listen: str | None = None,
-                 fanout: str = "auto") -> None:
+                 fanout: str = "auto", sparse: str = "off") -> None:
         """``timeout`` bounds store operations and group formation; ``refit_timeout``
         each refit (see :class:`reshard.refit.RefitSender`); ``rejoin_timeout`` how long
         the coordinator waits, after a failed refit, for replicas to report alive
         (default: ``refit_timeout`` or ``timeout``). ``token``, ``listen`` and
         ``checksum`` are as for :class:`reshard.refit.RefitSender`. ``fanout``: replicas
         of one layout fed ``direct`` by the trainer, ``relay``ed replica to replica, or
-        ``auto`` (:mod:`reshard.fanout`); every trainer and replica rank passes the same."""
+        ``auto`` (:mod:`reshard.fanout`); every trainer and replica rank passes the same.
+        ``sparse``: as for :class:`reshard.refit.RefitSender`; a replica that holds the
+        trainer's last committed version gets only the changed values while one that
+        does not (a joiner, one whose refit failed) gets its regions dense, in the same
+        refit (``docs/sparse.md``; its messages go direct, never relayed)."""
+        if sparse not in SPARSE_MODES:
+            raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {sparse!r}")
         if layouts is None:
             _, layouts = layouts_of(params)
         super().__init__(host, port, is_master=rank == 0, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
                          refit_timeout=refit_timeout, checksum=checksum, progress=progress,
-                         token=token, listen=listen, fanout=fanout)
+                         token=token, listen=listen, fanout=fanout, sparse=sparse)
         self.params, self.layouts = params, dict(layouts)
         self.rank, self.trainer_size = rank, trainer_size
         self.rejoin_timeout = rejoin_timeout or refit_timeout or timeout
@@ -294,9 +312,10 @@ class ElasticSender(_Participant):
                                     "arrived in time")
             time.sleep(_POLL_S)
 
-    def refit(self, version: int) -> RefitStats:
+    def refit(self, version: int, *, dense: bool = False) -> RefitStats:
         """Send the current parameters as ``version`` to every current replica, after
-        applying the membership requests that arrived since the last refit."""
+        applying the membership requests that arrived since the last refit. ``dense``:
+        this refit dense whatever the ``sparse`` mode."""
         n = self._n
         before = self.planner.computed
         ann = self._announce(n, version) if self.rank == 0 else self.announcement(
@@ -308,6 +327,7 @@ class ElasticSender(_Participant):
         local = local_tensors(self.params)
         src = {_name(o, name): local[name] for o in self.offsets.values()
                for name in self.layouts}
+        self.side.sparse_refits.force_dense = dense
         try:
             stats = self.side._move(src, {}, version)
         except TransferError:

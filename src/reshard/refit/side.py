@@ -159,10 +159,15 @@ class Side:
         self.staging_bytes = min(self.budget_bytes, DEFAULT_REFIT_STAGING_BYTES)
         self.executors = self._build_executors(meeting)
         self._amax_comm = _amax_group(meeting)
-        self.sparse_refits.reset()
+        self._new_sparse_group()
         self._sparse_bases: dict[int, int | None] | None = None
         self._reconciled(max(v.version for v in views))
         self.pending = None
+
+    def _new_sparse_group(self) -> None:
+        """A new meeting: no rank is known to hold anything (an elastic group, whose
+        members keep their versions across epochs, keeps its bases)."""
+        self.sparse_refits.reset()
 
     def _checksum_kind(self, meeting: Meeting) -> str | None:
         """The digest every message gets: as asked, else keyed when there is a token."""
@@ -208,7 +213,7 @@ class Side:
         fp8 = self.meeting.fp8
         problem = local_problem(self.meeting.plan, self.rank, src, dst, src_layouts=None
                                 if fp8 is None else fp8.source_checks())
-        sparse = self.sparse_refits.view(fp8 is not None)
+        sparse = self.sparse_refits.view()
         try:
             views = self.comm.all_gather_object((self.rank, problem, proposed, self.version,
                                                  sparse), **_timeout(self._left(deadline)))
@@ -271,6 +276,7 @@ class Side:
         """Run every executor (those a sparse refit carries through its transport);
         what they moved goes into ``moved``; returns the first transport error."""
         bases = self._sparse_bases
+        dense = []  # the executors a sparse refit does not carry: as in a dense refit
         for ex in self.executors:
             ex.deadline = deadline
             try:
@@ -279,10 +285,13 @@ class Side:
                     moved.add_sparse(s)
                 else:
                     moved.add(ex.run(src, dst, check=False))
+                    dense.append(ex.method)
             except TransferError as e:
                 return e
         if moved.sparse is None and self.sparse_refits.mode not in (None, "off"):
             moved.sparse = SparseStats(state_bytes=self.sparse_refits.state_bytes())
+        elif moved.sparse is not None:
+            moved.sparse.dense_methods = tuple(sorted(set(dense)))
         return None
 
     def _quantized(self, src, deadline: float | None):

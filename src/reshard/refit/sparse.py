@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from reshard.errors import ConfigError
-from reshard.executor import SparseStats
+from reshard.executor import Copies, SparseStats
 
 __all__ = ["SPARSE_MODES", "SparseRefits", "SparseStats", "sparse_summary"]
 
@@ -56,12 +56,12 @@ class SparseRefits:
             raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {mode!r}")
         self.mode = mode  # None on a receiver: it follows the senders
         self.force_dense = False  # the next refit dense (RefitSender.refit(dense=True))
-        self.fp8 = False  # the meeting planned FP8 blocks: dense refits only, no copy
         self.reset()
 
     def reset(self) -> None:
         """A new meeting: no base, no copy."""
         self.base: int | None = None
+        self.copies = Copies()  # a sender's region copies, shared by its executors
         self.transports: dict[int, Any] = {}  # executor -> its sparse runner
         self._ran: set[int] = set()  # executors this refit ran sparse (copy kept as sent)
         self._skip = 0
@@ -69,11 +69,10 @@ class SparseRefits:
         self._dense_seconds: float | None = None  # the last dense refit's time (auto)
         self.last_ratio: float | None = None
 
-    def view(self, fp8: bool) -> tuple[int | None, bool]:
+    def view(self) -> tuple[int | None, bool]:
         """What this rank says in the refit's first collective: its base, and (a
         trainer rank) whether it asks for a sparse refit."""
-        self.fp8 = fp8
-        return self.base, not fp8 and not self.force_dense and self.mode in ("on", "auto")
+        return self.base, not self.force_dense and self.mode in ("on", "auto")
 
     @staticmethod
     def decide(views: list[tuple[int | None, bool] | None]) -> dict[int, int | None] | None:
@@ -84,9 +83,16 @@ class SparseRefits:
             return None
         return {r: v[0] for r, v in enumerate(views) if v is not None}
 
+    def new_group(self) -> None:
+        """The same ranks (and new ones) meet in a new group with new plans (an elastic
+        group's next membership epoch): the base and the copies stay, each copy
+        diffed only against a receiver whose base it holds; the runners go."""
+        self.transports = {}
+        self._ran.clear()
+
     def transport(self, ex) -> Any:
         """``ex``'s sparse runner, kept here so that :meth:`reset` lets go of it."""
-        self.transports[id(ex)] = tr = ex.sparse_runner()
+        self.transports[id(ex)] = tr = ex.sparse_runner(self.copies)
         return tr
 
     def run(self, ex, src, dst, bases: dict[int, int | None], deadline: float | None
@@ -99,11 +105,11 @@ class SparseRefits:
             sparse_to = set()
         self._encoded_sparse = self._encoded_sparse or bool(sparse_to)
         self._ran.add(id(ex))
-        return tr.run(src, dst, sparse_to=sparse_to)
+        return tr.run(src, dst, sparse_to=sparse_to, base=me)
 
     @property
     def keeps_copy(self) -> bool:
-        return self.mode in ("on", "auto") and not self.fp8
+        return self.mode in ("on", "auto")
 
     def committed(self, version: int, src, executors, stats: SparseStats | None,
                   seconds: float = 0.0) -> None:
@@ -119,6 +125,7 @@ class SparseRefits:
             if ex.method in SPARSE_METHODS and id(ex) not in self._ran:
                 self.transport(ex).refresh(src)  # a dense refit: its copy made now
         self._ran.clear()
+        self.copies.commit(version)
         self.base = version
         self._auto(stats if self._encoded_sparse else None, seconds)
         self._encoded_sparse = False
@@ -143,10 +150,11 @@ class SparseRefits:
         the failed version, so neither has a base until a refit lands whole."""
         self._ran.clear()
         self._encoded_sparse = False
+        self.copies.fail()
         self.base = None
 
     def state_bytes(self) -> int:
-        return sum(t.state_bytes for t in self.transports.values())
+        return self.copies.nbytes
 
 
 def sparse_summary(stats: SparseStats | None) -> dict[str, Any] | None:
@@ -158,4 +166,5 @@ def sparse_summary(stats: SparseStats | None) -> dict[str, Any] | None:
             "changed": stats.changed, "dense_bytes": stats.dense_bytes,
             "wire_bytes": stats.wire_bytes, "bytes_by_encoding": dict(stats.bytes_by_encoding),
             "regions_by_encoding": dict(stats.regions_by_encoding),
-            "dense_peers": list(stats.dense_peers), "seconds": stats.detect_seconds}
+            "dense_peers": list(stats.dense_peers), "dense_methods": list(stats.dense_methods),
+            "seconds": stats.detect_seconds}
