@@ -61,12 +61,12 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
     ports = [free_port() for _ in range(3)]
     peers, c, job = [], None, None
     try:
-        peers = [engine(model_dir, 1, [CORES[i]]) for i in range(2)]
         with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
-            job = subprocess.Popen(
+            job = subprocess.Popen(  # it starts while the engines do, then waits for them
                 [sys.executable, str(JOB), str(model_dir), str(out),
                  "--engines", f"{ports[0]}:1,{ports[1]}:1", "--join", f"{ports[2]}:2"],
                 stdout=so, stderr=se)
+        peers = [engine(model_dir, 1, [CORES[i]]) for i in range(2)]
         for llm, port in zip(peers, ports):
             collective(llm, "reshard_init", HOST, port, 2)
         for llm in peers:
