@@ -3,7 +3,7 @@ fraction of changed engine-dtype values (issue 39).
 
     PYTHONPATH=src python benchmarks/sparse_refit.py [--model qwen3-0.6b] [--layers N]
         [--fractions 0.001,0.01,0.05,0.2,0.5,1] [--repeats 3] [--link-mbit R]
-        [--out FILE.json]
+        [--out FILE.json] [--profile DIR]
 
 Two jobs of local processes meet as a refit does: a trainer of 2 gloo ranks holding
 fp32 master weights FSDP-style (every tensor's rows split over the ranks) and an
@@ -20,13 +20,16 @@ probability (drawn anew each time, each changed enough to change its bf16 value)
 the fraction is of bf16 values changed since the last committed version. One sender
 with ``sparse="on"`` alternates sparse refits and dense ones (``refit(..., dense=True)``,
 the same transfer as ``sparse="off"``); a dense refit's time here excludes the copy
-that keeps the sender's base (reported apart, ``copy s``). Reported per fraction: the
-trainer ranks' wire bytes against the dense bytes, the median refit time (the
-trainer's ``refit()``: its check, detection and encoding, the messages, the receivers'
-decoding and applying, the commit), the detection time (the slower trainer rank), and
-which encodings the regions took. At the end the engine's weights after the last
-sparse refit are compared, bit for bit, with those a dense refit of the same values
-leaves.
+that keeps the sender's base (reported apart, ``copy s``). The four processes start
+each timed refit together (a barrier), so no refit's time holds another rank's
+preparation. Reported per fraction: the trainer ranks' wire bytes against the dense
+bytes, the median refit time (the trainer's ``refit()``: its check, detection and
+encoding, the messages, the receivers' decoding and applying, the commit), the
+detection time (the slower trainer rank), the receivers' decoding and applying (the
+slower engine rank), and which encodings the regions took. At the end the engine's
+weights after the last sparse refit are compared, bit for bit, with those a dense
+refit of the same values leaves. ``--profile DIR``: where each process's time in its
+sparse refits goes (cProfile).
 """
 
 from __future__ import annotations
@@ -114,21 +117,54 @@ def trainer(rank, port, args, out):
     sender = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="on", **jobs)
     version = 1
     sender.refit(version)  # the first refit: dense, the sender's copy made
-    rows = []
+    rows, prof = [], Profiles(args, f"trainer-{rank}")
     for fraction in args.fractions:
         got = {"sparse": [], "dense": []}
         for _ in range(args.repeats):
             for kind in ("sparse", "dense"):
                 change(params, fraction, g)
                 version += 1
-                stats = sender.refit(version, dense=kind == "dense")
+                args.barrier.wait()  # all four start the timed refit together
+                stats = prof.refit(lambda v=version, k=kind: sender.refit(v, dense=k == "dense"))
                 got[kind].append(stats)
         rows.append((fraction, got))
+    prof.save()
     change(params, 0.01, g)  # a sparse refit, then the same values dense: no change
     sender.refit(version + 1)
     sender.refit(version + 2, dense=True)
     out.put(("trainer", rank, [(f, {k: [_plain(s) for s in v] for k, v in got.items()})
                                for f, got in rows], sender.sparse_refits.state_bytes()))
+
+
+class Profiles:
+    """With ``--profile DIR``: each process's sparse refits under cProfile (dense ones
+    and the benchmark's own work left out), their stats added up and written to
+    ``DIR/<trainer|engine>-<rank>.prof`` (read them with ``python -m pstats``)."""
+
+    def __init__(self, args, name: str) -> None:
+        self.path = args.profile and os.path.join(args.profile, f"{name}.prof")
+        self.stats = None
+
+    def refit(self, call):
+        """``call()`` (a refit), profiled; kept if it was sparse."""
+        if not self.path:
+            return call()
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        stats = prof.runcall(call)
+        if stats.sparse is not None and stats.sparse.used:
+            if self.stats is None:
+                self.stats = pstats.Stats(prof)
+            else:
+                self.stats.add(prof)
+        return stats
+
+    def save(self) -> None:
+        if self.path and self.stats is not None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.stats.dump_stats(self.path)
 
 
 def _plain(s) -> dict:
@@ -148,13 +184,19 @@ def engine(rank, port, args, out):
               for n, lay in lays.items()}
     receiver = RefitReceiver(served, lays, rank=rank, port=port, **jobs)
     receiver.refit()
-    for _ in range(len(args.fractions) * args.repeats * 2 + 1):
-        receiver.refit()
+    prof, timed = Profiles(args, f"engine-{rank}"), len(args.fractions) * args.repeats * 2
+    applied = []  # each timed refit's decoding and applying on this rank (sparse ones)
+    for i in range(timed + 1):
+        if i < timed:
+            args.barrier.wait()
+        s = prof.refit(receiver.refit)
+        applied.append(s.sparse.detect_seconds if s.sparse is not None else 0.0)
+    prof.save()
     after_sparse = {n: t.clone() for n, t in served.items()}  # the last was sparse, then
     receiver.refit()  # the same values, dense
     same = all(torch.equal(after_sparse[n].view(torch.int16), t.view(torch.int16))
                for n, t in served.items())
-    out.put(("engine", rank, same, receiver.shadow_bytes))
+    out.put(("engine", rank, same, applied))
 
 
 def run(args) -> dict:
@@ -170,7 +212,7 @@ def run(args) -> dict:
 
 def _run(args) -> dict:
     ctx, port = mp.get_context("fork"), free_port()
-    out = ctx.Queue()
+    out, args.barrier = ctx.Queue(), ctx.Barrier(4)
     jobs = [ctx.Process(target=f, args=(r, port, args, out)) for f in (trainer, engine)
             for r in (0, 1)]
     for p in jobs:
@@ -181,13 +223,14 @@ def _run(args) -> dict:
     trainers = {r: rows for side, r, rows, _ in got if side == "trainer"}
     return {"trainers": trainers, "state_bytes": {r: b for side, r, _, b in got
                                                   if side == "trainer"},
-            "engine_same": all(same for side, _, same, _ in got if side == "engine")}
+            "engine_same": all(same for side, _, same, _ in got if side == "engine"),
+            "applied": [a for side, _, _, a in got if side == "engine"]}
 
 
 def table(result: dict, args) -> str:
     lines = ["| changed | sparse bytes | dense bytes | bytes ratio | sparse s | dense s | "
-             "time ratio | detect s | copy s | encodings (regions) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "time ratio | detect s | apply s | copy s | encodings (regions) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     per_rank = list(result["trainers"].values())
     for i, fraction in enumerate(args.fractions):
         def col(kind, key, agg=sum, rows=per_rank, i=i):
@@ -197,6 +240,9 @@ def table(result: dict, args) -> str:
         de_s = statistics.median([a - b for a, b in zip(col("dense", "seconds", max),
                                                          col("dense", "copy", max))])
         detect = statistics.median(col("sparse", "detect", max))
+        apply = statistics.median(  # the slower engine rank's, each sparse refit
+            max(a[2 * (i * args.repeats + j)] for a in result["applied"])
+            for j in range(args.repeats))
         copy = statistics.median(col("dense", "copy", max))
         enc: dict[str, int] = {}
         for r in per_rank:
@@ -204,7 +250,7 @@ def table(result: dict, args) -> str:
                 enc[k] = enc.get(k, 0) + v
         lines.append(f"| {fraction:.1%} | {sp_bytes / 1e6:,.2f} MB | {de_bytes / 1e6:,.1f} MB | "
                      f"{sp_bytes / de_bytes:.3f}x | {sp_s:.3f} | {de_s:.3f} | "
-                     f"{sp_s / de_s:.2f}x | {detect:.3f} | {copy:.3f} | "
+                     f"{sp_s / de_s:.2f}x | {detect:.3f} | {apply:.3f} | {copy:.3f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(enc.items()))} |")
     return "\n".join(lines)
 
@@ -218,6 +264,8 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=None, help="trainer and engine on "
                     "two emulated nodes joined by a link of this rate (needs root)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="a folder: each process's cProfile "
+                    "stats written there")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (4 "
                     "processes share the host: more than its cores oversubscribe it)")
     args = ap.parse_args()
@@ -236,7 +284,8 @@ def main() -> None:
           f"last sparse refit equal to a dense refit's: {result['engine_same']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), **result}, f)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "barrier"},
+                       **result}, f)
 
 
 if __name__ == "__main__":
