@@ -35,6 +35,7 @@ __all__ = ["SHIM_DIR", "SIDE_DIRS", "SglangServer", "sglang_argv", "sglang_env",
            "use_sglang_here"]
 
 SHIM_DIR = Path(__file__).parent / "shim"
+_SHIM: dict[str, Any] = {}  # the stand-ins' globals, where this process ran them
 #: where ``make setup`` installs torchvision and triton for SGLang's processes alone
 SIDE_DIRS = (Path(sys.prefix) / "sglang-side", Path(sys.prefix) / "megatron-triton")
 
@@ -66,7 +67,8 @@ def use_sglang_here() -> None:
 
     if str(SHIM_DIR) not in sys.path:
         sys.path[:0] = [str(SHIM_DIR), *map(str, SIDE_DIRS)]
-        runpy.run_path(str(SHIM_DIR / "sitecustomize.py"))
+        # kept: the schemas go when their torch.library.Library is collected
+        _SHIM.update(runpy.run_path(str(SHIM_DIR / "sitecustomize.py")))
 
 
 def sglang_argv(model: str | Path, *, port: int, host: str = "127.0.0.1", tp: int = 1,
