@@ -43,7 +43,7 @@ LEFT_OUT = {
     "tests/unit/test_costmodel.py": "cost-model simulator: " + _PURE,
     "tests/unit/test_models.py": "model presets: " + _PURE,
     "tests/unit/test_mapping.py": "vLLM name mapping: " + _PURE,
-    "tests/unit/test_sglang_mapping.py": "SGLang name mapping: " + _PURE,
+    "tests/unit/test_sglang_mapping.py": "SGLang name mapping and its refusals: " + _PURE,
     "tests/unit/test_family_mapping.py": "vLLM mapping of MLA, Mamba and Gemma 3: " + _PURE,
     "tests/unit/test_megatron_mapping.py": "Megatron-Core name and shard rules: " + _PURE,
     "tests/unit/test_nemo_hybrid_layouts.py": "NeMo RL benchmark's layouts: " + _PURE,

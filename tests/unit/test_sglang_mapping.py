@@ -77,3 +77,18 @@ def test_family_gate(monkeypatch):
     assert check_family({"model_type": "gemma2"}) == "gemma2"
     with pytest.raises(MappingError, match="a quantized checkpoint"):
         check_family({"model_type": "llama", "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_weights_repacked_for_amx_are_refused_at_the_meeting():
+    import torch
+
+    from reshard.integrations.sglang.rank import SglangRank
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(4, 4)
+    model.proj.use_intel_amx_backend = True  # what SGLang sets where it repacked
+    rank = SglangRank.__new__(SglangRank)  # the meeting's step alone, no receiver
+    rank.context = type("Context", (), {"model": model})()
+    with pytest.raises(MappingError, match=r"SGLang repacked the weights of 1 modules for "
+                       r"Intel AMX \(first: 'proj'\)"):
+        rank._prepare({})

@@ -32,8 +32,8 @@ from typing import Any
 
 from reshard.errors import ConfigError
 
-__all__ = ["COMMAND_PREFIX", "HOOK_TARGET", "LOAD_FORMAT", "RankContext", "command_payload",
-           "engine_call", "install_hook", "parse_command"]
+__all__ = ["COMMAND_PREFIX", "HOOK_TARGET", "LOAD_FORMAT", "RankContext", "amx_packed",
+           "command_payload", "engine_call", "install_hook", "parse_command"]
 
 log = logging.getLogger("reshard.sglang")
 
@@ -69,6 +69,14 @@ class RankContext:
         out: list[Any] = [None] * self.tp_size
         dist.all_gather_object(out, outcome, group=self._group)
         return out
+
+
+def amx_packed(model: Any) -> list[str]:
+    """The modules whose weights SGLang repacked for Intel AMX after loading (its
+    ``use_intel_amx_backend`` flag: CPUs with AMX and ``sgl_kernel``'s packing op): their
+    parameters no longer hold the checkpoint's layout, and SGLang cannot restore it."""
+    return [name for name, module in model.named_modules()
+            if getattr(module, "use_intel_amx_backend", False)]
 
 
 def parse_command(named_tensors: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
-from reshard.errors import ReshardError
+from reshard.errors import MappingError, ReshardError
 from reshard.integrations.sglang.mapping import hf_to_sglang
 
 __all__ = ["SglangRank", "handle"]
@@ -59,6 +59,13 @@ class SglangRank:
 
     def _prepare(self, trainer: dict[str, Any]) -> tuple[dict, dict, list[str]]:
         """At the meeting: the trainer's layouts -> (targets, layouts, direct)."""
+        from reshard.integrations.sglang.internals import amx_packed
+
+        packed = amx_packed(self.context.model)
+        if packed:
+            raise MappingError(f"SGLang repacked the weights of {len(packed)} modules for "
+                               f"Intel AMX (first: {packed[0]!r}); a refit writes the "
+                               "checkpoint's layout and cannot land there: not modelled")
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.mapping = hf_to_sglang(self.context.hf_config, self.context.tp_size, shapes,
                                     {n: lay.shape for n, lay in trainer.items()},
