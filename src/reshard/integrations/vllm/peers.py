@@ -115,9 +115,10 @@ class Peers:
         thread = self.lending
         if thread is None:
             raise ReshardError(f"rank {self.rank} was never asked to lend")
-        thread.join(self.timeout_s * 2 if timeout_s is None else timeout_s)
+        wait = self.timeout_s * 2 if timeout_s is None else timeout_s
+        thread.join(wait)
         if thread.is_alive():
-            raise ReshardError(f"rank {self.rank} still lends after {timeout_s} s")
+            raise ReshardError(f"rank {self.rank} still lends after {wait:.0f} s")
         return dict(self.lent or {})
 
     def _stop_lending(self) -> None:
