@@ -13,9 +13,12 @@ bf16, started by the CPU harness ``reshard.tools.sglang_cpu``):
   version is the step, and each rank received exactly its shard's bytes. Refit 3: trainer
   rank 1 SIGKILLs itself midway through its sends; the refit fails on the server, which
   serves version 2 exactly (answers, checksums, weight version).
+  Then a Megatron-Core trainer (TP2, 2 ranks, ``megatron.refit_params``) meets the same
+  server and refits it once: the same checks against a fresh server of its checkpoint
+  (rebuilt from its saved shards by ``reshard.tools.megatron_hf``).
 * Qwen3 with tied embeddings at TP1: refits 1 and 2, the same checks.
 
-The fresh servers start after the live one stops, both at once (two cores).
+The fresh servers start after the live one stops, all at once (two cores).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from reshard.tools.rl_task import SYSTEM_PROMPT as LONG_PROMPT  # noqa: E402
 from reshard.tools.sglang_cpu import SglangServer  # noqa: E402
 
 JOB = Path(__file__).with_name("_sglang_trainer_job.py")
+MEGATRON_JOB = Path(__file__).with_name("_megatron_trainer_job.py")
 PROMPTS = [[1, 17, 42, 99, 256, 3, 7], [1, 300, 301, 302], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 MAX_TOKENS = 8
 
@@ -90,9 +94,11 @@ def wait_for(path: Path, job: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-def live_scenario(model: Path, tmp: Path, tp: int, steps: int, die_at: int = -1) -> dict:
+def live_scenario(model: Path, tmp: Path, tp: int, steps: int, die_at: int = -1,
+                  then=None) -> dict:
     """The live server refitted ``steps`` times (refit ``die_at`` loses trainer rank 1):
-    per step, what the server answered and reported."""
+    per step, what the server answered and reported; then ``then(server, refit)``'s
+    record, on the same server."""
     out = tmp / "out"
     out.mkdir()
     records = {}
@@ -120,31 +126,59 @@ def live_scenario(model: Path, tmp: Path, tp: int, steps: int, die_at: int = -1)
         finally:  # the job and its ranks
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, signal.SIGKILL)
+        after = then(server, refit) if then is not None else None
     codes = json.loads((tmp / "job.log").read_text().strip().splitlines()[-1])["codes"]
-    return {"infos": infos, "records": records, "out": out, "codes": codes}
+    return {"infos": infos, "records": records, "out": out, "codes": codes, "then": after}
 
 
-def fresh(out: Path, steps: list[int], tmp: Path, tp: int) -> dict[int, dict]:
-    """Fresh servers of the trainer's checkpoints of ``steps``, started together (their
-    start-up is mostly one process's imports: two overlap on two cores): per step, the
-    answers and weight checksums."""
-    servers = {s: SglangServer(out / f"step{s}", port=free_port(), log=tmp / f"fresh{s}.log",
-                               tp=tp) for s in steps}
+def megatron_refit(model: Path, tmp: Path, server: SglangServer, refit: SglangRefit) -> dict:
+    """A Megatron-Core trainer (TP2 over 2 gloo ranks, ``megatron.refit_params``) meets
+    the same server anew and refits it once (its version 1); its step's HF checkpoint is
+    rebuilt from the trainer's saved shards by ``reshard.tools.megatron_hf``."""
+    from reshard.tools import megatron_hf as MH
+
+    out, port = tmp / "megatron", free_port()
+    out.mkdir()
+    with open(out / "job.out", "w") as so, open(out / "job.err", "w") as se:
+        job = subprocess.Popen([sys.executable, str(MEGATRON_JOB), str(out), "--kind", "llama",
+                                "--tp", "2", "--steps", "1", "--port", str(port),
+                                "--vocab", "512", "--inference-size", "2"],
+                               stdout=so, stderr=se, process_group=0)
+    try:
+        refit.init("127.0.0.1", port, 2, timeout_s=180)
+        result = refit.refit(1)
+        job.wait(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, (out / "job.err").read_text()[-3000:]
+    state = MH.to_hf(MH.load_ranks(out, 1), vocab=512, heads=4, groups=2, head_dim=32)
+    hf.save_checkpoint(model, state, out / "step1")
+    return {"result": result, "answers": answers(server), "checksums": checksums(server),
+            "version": refit.weight_version(), "checkpoint": out / "step1"}
+
+
+def fresh(checkpoints: dict, tmp: Path, tp: int) -> dict:
+    """Fresh servers of the given checkpoints (key -> model dir), started together
+    (their start-up is mostly one process's imports: they overlap on two cores): per
+    key, the answers and weight checksums."""
+    servers = {k: SglangServer(path, port=free_port(), log=tmp / f"fresh_{k}.log", tp=tp)
+               for k, path in checkpoints.items()}
     try:
         for server in servers.values():
             server.start()
         for server in servers.values():
             server.wait_ready()
-        return {s: {"answers": answers(server), "checksums": checksums(server)}
-                for s, server in servers.items()}
+        return {k: {"answers": answers(server), "checksums": checksums(server)}
+                for k, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
 
 
 def check_refit(rec: dict, ref: dict, step: int, cfg, tp: int) -> None:
-    assert rec["cached_before"][0] == 0 or step > 1
-    assert rec["cached_before"][1] > 0  # the long prompt's KV held in the radix cache
+    if "cached_before" in rec:  # asked twice before the refit
+        assert rec["cached_before"][1] > 0  # the long prompt's KV held in the radix cache
     assert rec["answers"]["long_cached"] == 0  # flushed at the commit: computed anew
     assert rec["answers"] == ref["answers"]  # tokens and logprobs, exactly
     assert rec["checksums"] == ref["checksums"]  # every weight of every rank
@@ -158,9 +192,13 @@ def check_refit(rec: dict, ref: dict, step: int, cfg, tp: int) -> None:
 def test_fsdp2_trainer_refits_sglang_tp2_and_a_lost_rank_keeps_the_version(tmp_path):
     model = hf.build_tiny_model(tmp_path / "llama", "llama")
     cfg = hf.tiny_config("llama")
-    live = live_scenario(model, tmp_path, tp=2, steps=3, die_at=3)
+    live = live_scenario(model, tmp_path, tp=2, steps=3, die_at=3,
+                         then=lambda server, refit: megatron_refit(model, tmp_path, server,
+                                                                   refit))
     assert [i["rank"] for i in live["infos"]] == [0, 1]
-    refs = fresh(live["out"], [1, 2], tmp_path, 2)
+    megatron = live["then"]
+    refs = fresh({1: live["out"] / "step1", 2: live["out"] / "step2",
+                  "megatron": megatron["checkpoint"]}, tmp_path, 2)
     for step in (1, 2):
         check_refit(live["records"][step], refs[step], step, cfg, 2)
     assert live["codes"] == [0, -9]  # rank 1 SIGKILLed itself in refit 3
@@ -172,6 +210,9 @@ def test_fsdp2_trainer_refits_sglang_tp2_and_a_lost_rank_keeps_the_version(tmp_p
     assert kept == {k: v for k, v in refs[2]["answers"].items() if k != "long_cached"}
     assert lost["answers"]["long_cached"] > 0  # nothing committed, nothing flushed
     assert lost["checksums"] == refs[2]["checksums"]
+    # then a Megatron-Core trainer (TP2) meets the same server: the same checks
+    # (the long prompt, cached when version 2 answered above, computed anew after it)
+    check_refit(megatron, refs["megatron"], 1, cfg, 2)
 
 
 def test_fsdp2_trainer_refits_sglang_tp1_tied_qwen3(tmp_path):
@@ -179,6 +220,6 @@ def test_fsdp2_trainer_refits_sglang_tp1_tied_qwen3(tmp_path):
     cfg = hf.tiny_config("qwen3", tie_word_embeddings=True)
     live = live_scenario(model, tmp_path, tp=1, steps=2)
     assert live["codes"] == [0, 0]
-    refs = fresh(live["out"], [1, 2], tmp_path, 1)
+    refs = fresh({s: live["out"] / f"step{s}" for s in (1, 2)}, tmp_path, 1)
     for step in (1, 2):
         check_refit(live["records"][step], refs[step], step, cfg, 1)
