@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["ALL_METHODS", "CHECKSUMS", "COLOCATED", "DEFAULT_BUDGET_BYTES",
            "DEFAULT_REFIT_BUDGET_BYTES", "DEFAULT_REFIT_STAGING_BYTES", "METHODS",
-           "SIM_METHODS"]
+           "NO_VERSION", "SIM_METHODS"]
 
 #: The ways to carry out a plan: ``reshard`` (domain-aware: each byte crosses the network
 #: once per fast domain), ``p2p`` (the plan's transfers sent directly) and
@@ -63,6 +63,13 @@ DEFAULT_REFIT_STAGING_BYTES = 8 << 20
 #: 1.97-2.56 s, 1.11-1.21x. The refit's time moved within the host's spread (1.86 /
 #: 2.61 s against 2.01 / 2.27 s): the memory target keeps the default.
 DEFAULT_COMMIT_HEAP_SLACK_BYTES = 8 << 20
+
+#: The weight version of weights no refit brought: a fresh engine's (loaded from its
+#: checkpoint), a trainer's that sent nothing yet. A refit's version is the trainer's
+#: step (0 for the weights it syncs before its first optimizer step), so every real
+#: version is newer; a sparse refit never counts it as a base (the first refit into an
+#: unversioned engine is dense).
+NO_VERSION = -1
 
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
 #: ``"hmac"``: keyed, with a meeting's token).

@@ -36,6 +36,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (the ray extra: "
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
+from reshard.defaults import NO_VERSION  # noqa: E402
 from reshard.integrations import hf  # noqa: E402
 from reshard.integrations.ray import init_local_cluster  # noqa: E402
 from reshard.tools.ray_loop import REFIT_TIMEOUT_S, Loop, start_engine  # noqa: E402
@@ -73,7 +74,7 @@ def test_ray_actors_refit_the_engine_every_step(cluster, tmp_path):
     engine, model_dir = cluster
     loop = Loop(engine, model_dir, tmp_path / "steps")
     info = loop.start()
-    assert [i["version"] for i in info] == [0] * TP
+    assert [i["version"] for i in info] == [NO_VERSION] * TP  # its checkpoint's weights
     # uneven vocabulary: vLLM rank 1 holds 12 padding rows of embed_tokens and lm_head
     assert info[0]["expected_bytes"] - info[1]["expected_bytes"] == 2 * 12 * 64 * 4
     records = [loop.step(step) for step in range(1, 4)]
@@ -85,7 +86,7 @@ def test_ray_actors_refit_the_engine_every_step(cluster, tmp_path):
 def test_killed_trainer_actor_mid_refit_then_readmitted(cluster, tmp_path):
     engine, model_dir = cluster
     loop = Loop(engine, model_dir, tmp_path / "steps")
-    loop.start()  # meets the engine afresh: the version starts again at 0
+    loop.start()  # meets the engine afresh: it holds no version again
     first = loop.step(1)
     check_landed(first, 1)
 
@@ -108,7 +109,7 @@ def test_killed_trainer_actor_mid_refit_then_readmitted(cluster, tmp_path):
     assert lost["seconds_to_error"] < REFIT_TIMEOUT_S  # the survivors' wait ended early
 
     again = loop.readmit(1, 2)
-    assert [t["joined"]["version"] for t in again.trainer] == [1, 0]  # survivor, newcomer
+    assert [t["joined"]["version"] for t in again.trainer] == [1, NO_VERSION]  # survivor, new
     assert again.trainer[1]["joined"]["pid"] != lost["paused"]["pid"]
     check_landed(again, 2)
     check_landed(loop.step(3), 3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import reshard as R
+from reshard.defaults import NO_VERSION
 from reshard.errors import PlanError
 from reshard.local import execute_local
 from reshard.refit.bootstrap import PeerInfo, bootstrap_plan, peer_offsets
@@ -54,7 +55,8 @@ def test_new_replica_gets_exactly_its_shards_from_several_peers(splits, new):
      r"the peers hold different versions \[5, 4\]; a bootstrap copies one version"),
     ([PeerInfo(1, {}, 3, "its last refit did not commit")], layouts(1, 0),
      r"peer 0 cannot lend: its last refit did not commit"),
-    (peers((1, 0), version=0), layouts(1, 0), r"peer 0 holds no committed version"),
+    (peers((1, 0), version=NO_VERSION), layouts(1, 0),
+     r"peer 0 holds no committed version \(version -1\)"),
     (peers((1, 0)), {"w": layouts(1, 0)["w"]},
      r"the new replica's tensors differ from the peers': missing \['b'\]"),
     (peers((1, 0)), layouts(2, 0, "float32"),

@@ -2,7 +2,8 @@
 part of a version arrived whole but whose commit collective failed (the group broke at
 the very end) is *in doubt*; ``reconnect`` makes that version live there if another rank
 committed it, and drops it if nobody did. Also: a broken side refuses to refit until it
-reconnects, and the checksum option catches a flipped bit."""
+reconnects, the checksum option catches a flipped bit, and the version rule: every side
+starts with none, so the trainer's step 0 goes in, and a step not newer is refused."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 
 import reshard as R
 import reshard.refit.side as refit_mod
+from reshard.defaults import NO_VERSION
 from reshard.refit import RefitReceiver, RefitSender
 from reshard.refit.rendezvous import Meeting
 from reshard.refit.side import Side
+from reshard.refit.sparse import SparseRefits
 
 from ._inproc import ThreadComm, World, run_ranks
 
@@ -96,6 +99,27 @@ def sides():
         return run_ranks(3, lambda c: fn(ss[c.rank]))
 
     return ss, step
+
+
+def test_versions_are_steps_from_0_and_a_step_not_newer_is_refused_everywhere(sides):
+    """A fresh side holds no version (its weights are the checkpoint's): the weights a
+    trainer holds before its first step go in as version 0, and a fresh receiver's sparse
+    base is none, never 0, so a sender at version 0 sends it dense. Then a repeated step
+    and a negative one are refused on every rank before a byte moves."""
+    ss, step = sides
+    assert [s.version for s in ss] == [NO_VERSION] * 3
+    assert [s.sparse_refits.view()[0] for s in ss] == [None] * 3
+    assert SparseRefits.decide([(0, True), (None, False), (None, False)]) is None  # dense
+    assert all(ok for ok, _ in step(lambda s: refit(s, 0)))
+    assert [s.version for s in ss] == [0, 0, 0] and [live(s) for s in ss[1:]] == [0, 0]
+    assert [s.sparse_refits.view()[0] for s in ss[1:]] == [0, 0]
+    for bad, message in ((0, "refit version 0 is not newer than the current version 0"),
+                         (-1, "a refit version is the trainer's step, >= 0; got -1")):
+        out = step(lambda s, bad=bad: refit(s, bad))
+        assert all(not ok and message in str(e) for ok, e in out), out
+    assert [s.version for s in ss] == [0, 0, 0] and [live(s) for s in ss[1:]] == [0, 0]
+    assert all(ok for ok, _ in step(lambda s: refit(s, 1)))
+    assert [live(s) for s in ss[1:]] == [1, 1]
 
 
 def _reconnect_all(ss, step, monkeypatch):

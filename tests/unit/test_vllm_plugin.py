@@ -225,6 +225,33 @@ def test_a_round_the_engine_refuses_to_begin_is_closed(overlap, fail, calls):
     assert client.calls == calls
 
 
+class _Refusing:
+    """A sender whose every rank refuses the version before a byte moves."""
+
+    def refit(self, version):
+        raise ReshardError(f"refit version {version} is not newer than the current version "
+                           "3; nothing was moved")
+
+
+@pytest.mark.parametrize("overlap, calls", [
+    (True, ["start", "update", "finish"]),
+    (False, ["pause:keep", "start", "update", "finish", "resume"]),  # never left paused
+])
+def test_a_version_not_newer_is_refused_and_the_round_closed(overlap, calls):
+    """A repeated trainer step: the refusal itself comes back (not a TransferError), the
+    engine's round is closed (it commits nothing) and resumed, the version kept."""
+    from reshard.integrations.vllm.trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
+
+    info = ReshardTrainerInitInfo("h", 1, trainer_size=2, inference_size=2, rank=0,
+                                  overlap=overlap)
+    client = _Client()
+    engine = ReshardTrainerEngine(client=client, is_sender=True, init_info=info)
+    engine.sender, engine.version = _Refusing(), 3
+    with pytest.raises(ReshardError, match="refit version 3 is not newer") as refused:
+        engine.send_weights(3)
+    assert refused.type is ReshardError and client.calls == calls and engine.version == 3
+
+
 def test_trainer_init_info_refuses_what_cannot_work():
     from reshard.integrations.vllm.trainer import ReshardTrainerEngine, ReshardTrainerInitInfo
 

@@ -71,7 +71,7 @@ def peers_problem(peers: Sequence[PeerInfo]) -> str | None:
     for i, p in enumerate(peers):
         if p.problem:
             return f"peer {i} cannot lend: {p.problem}"
-        if p.version < 1:
+        if p.version < 0:
             return f"peer {i} holds no committed version (version {p.version})"
     versions = [p.version for p in peers]
     if len(set(versions)) > 1:

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from reshard import planner
 from reshard.comm import Comm
-from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES, NO_VERSION
 from reshard.errors import ConfigError, PlanError, ReshardError, TransferError
 from reshard.executor import Executor
 from reshard.fanout import check_fanout
@@ -121,7 +121,7 @@ class _EpochSide(Side):
         replica that never refitted)."""
         if self.sparse_refits.mode is None:
             self.sparse_refits.reset()
-            self.sparse_refits.base = self.version or None
+            self.sparse_refits.base = None if self.version == NO_VERSION else self.version
         else:
             self.sparse_refits.new_group()
 
@@ -191,7 +191,7 @@ class _Participant:
                                fanout=check_fanout(fanout), sparse=sparse)
         self.side: _EpochSide | None = None
         self.epoch = 0
-        self.version = 0
+        self.version = NO_VERSION
         self.broken = False  # the last refit failed in the transport (or forming a group)
         self.offsets: dict[str, int] = {}
         self._replicas: dict[str, tuple[int, dict[str, Layout]]] = {}

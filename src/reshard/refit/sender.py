@@ -56,7 +56,9 @@ class RefitSender(Side):
         self.explicit_layouts = layouts is not None
 
     def refit(self, version: int, *, dense: bool = False) -> RefitStats:
-        """Send the current parameters as weight version ``version`` (must increase).
+        """Send the current parameters as weight version ``version``: the trainer's step
+        (``>= 0``), newer than every rank's current version (a fresh receiver holds
+        none, :data:`~reshard.defaults.NO_VERSION`, so step 0 goes in).
         ``dense``: this refit dense whatever the ``sparse`` mode (the copy is kept)."""
         src = local_tensors(self.params)
         self.sparse_refits.force_dense = dense

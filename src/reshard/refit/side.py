@@ -3,8 +3,11 @@
 The refit API for RL frameworks: a trainer-side sender and an inference-side receiver.
 
 Both sides meet once (:func:`reshard.refit.meet`), plan once, and reuse the plan
-for every refit. Each refit carries a weight version; the receiver's ``version`` tells a
-rollout which policy it is sampling from.
+for every refit. Each refit carries a weight version, the trainer's step (``>= 0``;
+the weights it holds before its first optimizer step are version 0), and each must be
+newer than every rank's current one; the receiver's ``version`` tells a rollout which
+policy it is sampling from. Before its first refit a side holds no version
+(:data:`reshard.defaults.NO_VERSION`, -1): a fresh engine's weights are its checkpoint's.
 
 Never torn: by default the receiver writes into a shadow copy of its parameters and
 copies it over the live ones only after every rank of both sides has confirmed that
@@ -42,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from reshard import planner
-from reshard.defaults import ALL_METHODS, COLOCATED, DEFAULT_REFIT_STAGING_BYTES
+from reshard.defaults import ALL_METHODS, COLOCATED, DEFAULT_REFIT_STAGING_BYTES, NO_VERSION
 from reshard.errors import ConfigError, ReshardError, TensorMismatchError, TransferError
 from reshard.executor import Executor, checksum_kind, local_problem
 from reshard.layout import Layout
@@ -114,7 +117,7 @@ class Side:
         self.sparse_refits = SparseRefits(sparse)
         if meet_args is not None:
             self._meet_args = meet_args
-        self.version = 0
+        self.version = NO_VERSION  # nothing refitted yet: any step (>= 0) is newer
         self.broken = False  # a refit failed in the transport: reconnect() before the next
         self.pending: int | None = None  # a version received whole whose commit is in doubt
         self.refit_timeout, self.checksum = refit_timeout, checksum
@@ -225,9 +228,12 @@ class Side:
         if problems:
             raise TensorMismatchError(f"rank {problems[0][0]}: {problems[0][1]}; nothing "
                                       "was moved")
-        new = max(v for _, _, v, *_ in views if v is not None)
-        current = max(c for _, _, _, c, _ in views)
+        proposals = [v for _, _, v, *_ in views if v is not None]
+        new, current = max(proposals), max(c for _, _, _, c, _ in views)
         self._sparse_bases = SparseRefits.decide([s for *_, s in views])
+        if min(proposals) < 0:
+            raise ConfigError(f"a refit version is the trainer's step, >= 0; got "
+                              f"{min(proposals)}; nothing was moved")
         if new <= current:
             raise ReshardError(f"refit version {new} is not newer than the current version "
                                f"{current}; nothing was moved")

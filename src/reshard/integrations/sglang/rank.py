@@ -41,7 +41,7 @@ log = logging.getLogger("reshard.sglang")
 class SglangRank:
     """One SGLang rank's refit state: the mapping of the trainer's tensors, the
     receiver (shadow staging), the live version (the trainer's step of the last
-    commit, 0 before any)."""
+    commit, ``NO_VERSION`` (-1) before any: the weights SGLang loaded)."""
 
     def __init__(self, context: Any, *, host: str, port: int, trainer_size: int,
                  budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES, timeout_s: float = 120.0,

@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from reshard.defaults import NO_VERSION
 from reshard.errors import ReshardError
 
 __all__ = ["Peers"]
@@ -80,7 +81,7 @@ class Peers:
                 raise ReshardError(f"rank {self.rank} lends already; call reshard_lent first")
             problem = None if self.whole else (
                 f"rank {self.rank}'s last refit did not commit (version {self.version} "
-                "live, its refit buffers not whole)" if self.version else
+                "live, its refit buffers not whole)" if self.version != NO_VERSION else
                 f"rank {self.rank} holds no refitted version yet")
             self.lent = None
             self.lending = threading.Thread(target=self._lend, name="reshard-lend",

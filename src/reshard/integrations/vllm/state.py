@@ -60,7 +60,11 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import (
+    DEFAULT_COMMIT_HEAP_SLACK_BYTES,
+    DEFAULT_REFIT_BUDGET_BYTES,
+    NO_VERSION,
+)
 from reshard.errors import ConfigError, ReshardError
 from reshard.integrations.vllm.commit import Commit
 from reshard.integrations.vllm.internals import (
@@ -165,7 +169,7 @@ class ReshardState(Commit, Checks, Peers):
         self.sparse = "off"  # what the trainer said it sends (its init info), reported
         self.stale = False  # a refit with staging="none" failed midway: weights may be torn
         self.last: dict[str, Any] = {}
-        self._version = 0
+        self._version = NO_VERSION  # the checkpoint's weights: no refit's
         self.measured_peak = reset_peak_rss()
         self.rss_at_init = rss_bytes()
         self.budget_bytes, self.token = budget_bytes, token
@@ -291,7 +295,8 @@ class ReshardState(Commit, Checks, Peers):
 
     @property
     def version(self) -> int:
-        """The weight version live in the model (the trainer's step of the last commit)."""
+        """The weight version live in the model: the trainer's step of the last commit,
+        ``NO_VERSION`` (-1) before the first (the weights the engine loaded)."""
         return self._version
 
     def info(self) -> dict[str, Any]:

@@ -42,11 +42,14 @@ Two ways a version goes in (``overlap``):
   ``update_weights`` while the trainer sends, finish, ``/resume`` -- as the frameworks
   refit today.
 
-The weight version is the trainer's step (``send_weights(step)``), sent to the engine
-as its ``weight_version`` string. A refit that fails (a trainer or engine rank lost)
-raises :class:`reshard.TransferError` on every trainer rank; the engine goes on serving
-the previous version; ``trainer_init`` again (a new port: the old group may hold dead
-peers) meets it anew and the next refit lands.
+The weight version is the trainer's step (``send_weights(step)``; 0 for the weights
+before the first optimizer step, which an engine fresh from its checkpoint takes: it holds
+no version yet, nor does an engine met anew), sent to the engine as its ``weight_version``
+string; a version not newer than the engine's is refused on every rank before a byte
+moves, the round closed and the engine serving on. A refit that fails (a trainer or
+engine rank lost) raises :class:`reshard.TransferError` on every trainer rank; the
+engine goes on serving the previous version; ``trainer_init`` again (a new port: the old
+group may hold dead peers) meets it anew and the next refit lands.
 """
 
 from __future__ import annotations
@@ -65,8 +68,12 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
 )
 
-from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
-from reshard.errors import ConfigError, TransferError
+from reshard.defaults import (
+    DEFAULT_COMMIT_HEAP_SLACK_BYTES,
+    DEFAULT_REFIT_BUDGET_BYTES,
+    NO_VERSION,
+)
+from reshard.errors import ConfigError, ReshardError, TransferError
 from reshard.integrations.vllm.state import check_heap_slack
 
 __all__ = ["IN_FLIGHT", "ReshardTrainerEngine", "ReshardTrainerInitInfo", "register"]
@@ -195,7 +202,7 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = init_info
         self.sender: Any = None
-        self.version = 0
+        self.version = NO_VERSION  # the last version sent
         self.last: dict[str, Any] = {}
         self.pausing = _pausing(client) if is_sender else None
 
@@ -243,10 +250,11 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
 
     def send_weights(self, version: int | None = None, *, overlap: bool | None = None
                      ) -> dict[str, Any]:
-        """Send the current parameters as weight version ``version`` (the next one by
-        default; it must increase) and make it live on the engine; on every trainer
-        rank alike. ``overlap`` overrides the init info's for this refit. Returns (and
-        keeps in ``last``) the refit's figures."""
+        """Send the current parameters as weight version ``version`` (the trainer's step;
+        by default the one after the last sent, 0 first) and make it live on the engine;
+        on every trainer rank alike. A version not newer than the engine's is refused
+        (``ReshardError``) before a byte moves. ``overlap`` overrides the init info's for
+        this refit. Returns (and keeps in ``last``) the refit's figures."""
         info = self.info
         if overlap is not None and overlap != info.overlap:
             info = dataclasses.replace(info, overlap=overlap)
@@ -272,14 +280,14 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
                 stats = self.sender.refit(version)
                 figures.update(transfer_seconds=stats.seconds, bytes_sent=stats.bytes_sent,
                                sparse=_sparse_summary(stats.sparse))
-            except TransferError as e:
+            except ReshardError as e:  # lost midway, or refused before a byte moved
                 error = e
             if rank0:
                 error = self._finish(info, receiving, version, figures, error, t0)
         figures.update(seconds=time.perf_counter() - t0, ended=time.monotonic())
         self.last = figures
         if error is not None:
-            raise error if isinstance(error, TransferError) else TransferError(
+            raise error if isinstance(error, ReshardError) else TransferError(
                 f"refit to version {version} failed on the engine: {error}; it serves the "
                 "previous version") from error
         self.version = version

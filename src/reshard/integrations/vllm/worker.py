@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
+from reshard.defaults import (
+    DEFAULT_COMMIT_HEAP_SLACK_BYTES,
+    DEFAULT_REFIT_BUDGET_BYTES,
+    NO_VERSION,
+)
 from reshard.errors import ConfigError, ReshardError
 from reshard.integrations.vllm.state import ReshardState, check_heap_slack
 
@@ -103,7 +107,7 @@ class ReshardWorkerExtension:
         :meth:`reshard_bootstrap` the filled state meets the trainer instead, keeping its
         version and weights (only ``token`` is read of the options)."""
         state = getattr(self, "_reshard", None)
-        if state is not None and state.version and state.bootstrapped:
+        if state is not None and state.bootstrapped and state.version != NO_VERSION:
             return state.meet_trainer(host, port, trainer_size, token)
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
