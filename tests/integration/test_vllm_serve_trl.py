@@ -4,10 +4,12 @@ stop-the-world refits) and then by its ``AsyncGRPOTrainer`` (overlapped refits),
 2-rank FSDP2 trainer job (``reshard.tools.trl_grpo``, the docs' example) syncing through
 ``reshard.integrations.trl``: every rank sends its own shards, none gathers a tensor.
 
-After each job's last sync the server's weight version is that job's last, and its greedy
-answers -- tokens and logprobs, prompts behind a 300-token prefix the server cached with
-the weights it served before the job -- are bit for bit a fresh engine's of the server's
-kind loaded from the trainer's checkpoint of its last step. Each refit's pause (the
+Each refit's weight version is the trainer's step, 0 for the weights TRL syncs before
+its first step (each job meets the server anew, whatever version it served): after each
+job's last sync the server's weight version is its last step, and its greedy answers --
+tokens and logprobs, prompts behind a 300-token prefix the server cached with the
+weights it served before the job -- are bit for bit a fresh engine's of the server's
+kind loaded from the trainer's checkpoint of that step. Each refit's pause (the
 trainer's and the engine's) is printed and kept in the result. The server is the one
 ``test_vllm_serve.py`` refits first (conftest's ``tiny_server``: one start for both).
 """
@@ -33,8 +35,8 @@ OVERLAP = {"grpo": False, "async": True}
 @pytest.fixture(scope="module")
 def runs(tiny_server, tmp_path_factory):
     """The two jobs on the shared server (conftest's ``tiny_server``: in the suite, after
-    test_vllm_serve.py's scenario, so the jobs go on from the version it left); then the
-    server is stopped, its last user."""
+    test_vllm_serve.py's scenario, which left it at version 3); then the server is
+    stopped, its last user."""
     tmp = tmp_path_factory.mktemp("trl")
     server, model = tiny_server.server, tiny_server.model
     rec: dict = {}
@@ -58,11 +60,10 @@ def test_trl_trains_through_reshard_and_the_server_answers_as_a_fresh_engine(run
     r = runs[trainer]
     result, refits = r["result"], r["result"]["refits"]
     assert result["steps"] == STEPS
-    # one refit at the start and one after each step; versions increase by one
-    assert len(refits) == STEPS + 1, refits
+    # one refit at the start and one after each step, each labelled with the step
     versions = [f["version"] for f in refits]
-    assert versions == list(range(versions[0], versions[0] + STEPS + 1))
-    assert r["version"] == str(result["version"]) == str(versions[-1])
+    assert versions == list(range(STEPS + 1)), refits
+    assert r["version"] == str(result["version"]) == str(STEPS)
     assert all(f["engine_versions"] == [f["version"]] * 2 for f in refits), refits
     assert all(f["overlap"] == OVERLAP[trainer] for f in refits), refits
     # every rank sent its own shards; no tensor was gathered while training

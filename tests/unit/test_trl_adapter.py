@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
+from reshard.defaults import NO_VERSION  # noqa: E402
 from reshard.errors import ConfigError  # noqa: E402
 from reshard.integrations.trl import ReshardStream, ReshardWeightTransfer  # noqa: E402
 from reshard.tools.trl_cpu import flash_attn_varlen_func  # noqa: E402
@@ -34,10 +35,10 @@ def test_trls_own_trainers_and_stream_are_refused_before_anything_moves():
     gathered = iter([("model.embed_tokens.weight", torch.zeros(2, 2))])
     with pytest.raises(ConfigError, match="got a list_iterator: TRL's own trainers"):
         transfer.send_weights(gathered)
-    other = ReshardWeightTransfer("http://127.0.0.1:1").stream(torch.nn.Linear(2, 2))
+    other = ReshardWeightTransfer("http://127.0.0.1:1").stream(torch.nn.Linear(2, 2), 0)
     with pytest.raises(ConfigError, match="got a ReshardStream"):
         transfer.send_weights(other)
-    assert transfer.engine is None and transfer.version == 0
+    assert transfer.engine is None and transfer.version == NO_VERSION
 
 
 class _Info(BaseHTTPRequestHandler):
@@ -75,7 +76,7 @@ def test_a_server_without_the_reshard_backend_is_refused(backend):
 def test_pause_and_resume_leave_the_engine_alone():
     transfer = ReshardWeightTransfer("http://127.0.0.1:1")
     assert transfer.pause() is None and transfer.resume() is None
-    assert isinstance(transfer.stream(torch.nn.Linear(2, 2)), ReshardStream)
+    assert isinstance(transfer.stream(torch.nn.Linear(2, 2), 0), ReshardStream)
 
 
 def _causal(q, k, v, scale):

@@ -61,8 +61,8 @@ class MeasuredTransfer(ReshardWeightTransfer):
     """The transfer, plus on rank 0 the engine's own figures of each refit (its ranks'
     ``reshard_last`` through vLLM's ``/collective_rpc``: how long each swap stopped it)."""
 
-    def refit(self, model: Any) -> dict[str, Any]:
-        figures = super().refit(model)
+    def refit(self, model: Any, step: int) -> dict[str, Any]:
+        figures = super().refit(model, step)
         if figures.get("pause_seconds") is not None:
             import requests
 

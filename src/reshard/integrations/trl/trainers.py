@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -51,7 +51,8 @@ class ReshardAsyncGRPOTrainer(AsyncGRPOTrainer):
         super().__init__(*args, weight_transfer=weight_transfer, **kwargs)
 
     def _streaming_iter(self) -> ReshardStream:
-        return self.reshard.stream(self.accelerator.unwrap_model(self.model))
+        return self.reshard.stream(self.accelerator.unwrap_model(self.model),
+                                   self.state.global_step)
 
 
 class ReshardVLLMClient(VLLMClient):
@@ -79,10 +80,12 @@ class ReshardVLLMClient(VLLMClient):
 
 class ReshardVLLMGeneration(VLLMGeneration):
     """TRL's ``VLLMGeneration``; in server mode the main process talks to the server
-    through :class:`ReshardVLLMClient` and every rank streams through the transfer."""
+    through :class:`ReshardVLLMClient` and every rank streams through the transfer, each
+    sync as weight version ``step()`` (the trainer's optimizer steps so far)."""
 
-    def __init__(self, *args: Any, transfer: ReshardWeightTransfer, **kwargs: Any) -> None:
-        self.transfer = _bound(transfer)
+    def __init__(self, *args: Any, transfer: ReshardWeightTransfer,
+                 step: Callable[[], int], **kwargs: Any) -> None:
+        self.transfer, self.step = _bound(transfer), step
         super().__init__(*args, **kwargs)
         if self.mode == "server":  # TRL walks the stream once for names: nothing to walk
             self._weight_metadata = []
@@ -102,7 +105,7 @@ class ReshardVLLMGeneration(VLLMGeneration):
     def _iter_named_params(self) -> Any:
         if self.mode != "server":
             return super()._iter_named_params()
-        return self.transfer.stream(self.accelerator.unwrap_model(self.model))
+        return self.transfer.stream(self.accelerator.unwrap_model(self.model), self.step())
 
 
 class ReshardGRPOTrainer(GRPOTrainer):
@@ -113,7 +116,8 @@ class ReshardGRPOTrainer(GRPOTrainer):
         _bound(transfer)
 
         def generation(*a: Any, **kw: Any) -> ReshardVLLMGeneration:
-            return ReshardVLLMGeneration(*a, transfer=transfer, **kw)
+            return ReshardVLLMGeneration(*a, transfer=transfer,
+                                         step=lambda: self.state.global_step, **kw)
 
         # the one place TRL is replaced: the name GRPOTrainer builds its vLLM side from
         with _replaced(grpo_trainer, "VLLMGeneration", generation):

@@ -10,10 +10,12 @@ rank sends its own shards instead: the stream TRL iterates is :meth:`stream`, a
 refit (the main process's ``send_weights(stream)`` iterates it too, driving the server
 around it). No tensor is gathered, none crosses TRL.
 
-The engine's weight version counts the refits: on a fresh server it is TRL's model
-version (1 for the weights TRL syncs at the start, ``k + 1`` after ``k`` optimizer steps,
-one sync a step), which AsyncGRPO's rollouts carry too; a trainer meeting a server that
-already serves version ``n`` (an earlier job's) goes on from ``n + 1``.
+The engine's weight version is the trainer's step (TRL's ``state.global_step`` at the
+sync, which the trainers hand the stream): 0 for the weights TRL syncs at the start,
+``k`` after ``k`` optimizer steps (AsyncGRPO's own ``model_version`` counts syncs:
+``k + 1``). An engine met anew holds no version (a fresh server's weights are its
+checkpoint's, an earlier job's no step of this one), so step 0 goes in; within the job a
+version not newer than the engine's is refused before a byte moves.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from reshard.defaults import NO_VERSION
 from reshard.errors import ConfigError
 
 __all__ = ["ReshardStream", "ReshardWeightTransfer"]
@@ -29,14 +32,14 @@ __all__ = ["ReshardStream", "ReshardWeightTransfer"]
 
 class ReshardStream:
     """What TRL iterates on every rank for a weight sync: iterating it sends this rank's
-    own shards of ``model`` (a collective with the other trainer ranks and the engine's
-    ranks) and yields no tensor."""
+    own shards of ``model`` as weight version ``step`` (a collective with the other
+    trainer ranks and the engine's ranks) and yields no tensor."""
 
-    def __init__(self, transfer: ReshardWeightTransfer, model: Any) -> None:
-        self.transfer, self.model = transfer, model
+    def __init__(self, transfer: ReshardWeightTransfer, model: Any, step: int) -> None:
+        self.transfer, self.model, self.step = transfer, model, step
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        self.transfer.refit(self.model)
+        self.transfer.refit(self.model, self.step)
         return iter(())
 
 
@@ -68,7 +71,7 @@ class ReshardWeightTransfer:
         self.master_address, self.master_port = master_address, master_port
         self.inference_size, self.overlap, self.info = inference_size, overlap, info
         self.engine: Any = None
-        self.version = 0
+        self.version = NO_VERSION  # the last step sent
         #: set by the trainers of :mod:`~reshard.integrations.trl.trainers`, whose stream
         #: is this transfer's (TRL's own trainers would hand it gathered tensors)
         self.bound = False
@@ -109,16 +112,17 @@ class ReshardWeightTransfer:
             self.engine = None
 
     # -- every rank ------------------------------------------------------------------------
-    def stream(self, model: Any) -> ReshardStream:
-        """The stream TRL iterates for a sync of ``model`` (the unwrapped policy)."""
-        return ReshardStream(self, model)
+    def stream(self, model: Any, step: int) -> ReshardStream:
+        """The stream TRL iterates for a sync of ``model`` (the unwrapped policy) after
+        ``step`` optimizer steps."""
+        return ReshardStream(self, model, step)
 
-    def refit(self, model: Any) -> dict[str, Any]:
+    def refit(self, model: Any, step: int) -> dict[str, Any]:
         """Every trainer rank: meet the engine on the first call, then send ``model``'s
-        current parameters (each rank its own shards) as the next weight version."""
+        current parameters (each rank its own shards) as weight version ``step``."""
         if self.engine is None:
             self.engine = self._meet(model)
-        figures = self.engine.send_weights(self.version + 1, overlap=self.overlap)
+        figures = self.engine.send_weights(step, overlap=self.overlap)
         self.version = figures["version"]
         self.refits.append(figures)
         return figures
@@ -132,7 +136,6 @@ class ReshardWeightTransfer:
         )
 
         rank, size = _rank_and_size()
-        self.version = max(self.version, self._live_version())
         info = ReshardTrainerInitInfo(
             self.master_address, self._port(rank, size), trainer_size=size,
             inference_size=self.inference_size or self._world_size(), rank=rank,
@@ -173,11 +176,6 @@ class ReshardWeightTransfer:
 
     def _server_info(self) -> dict[str, Any]:
         return self._get("server_info", config_format="json")["vllm_config"]
-
-    def _live_version(self) -> int:
-        """The server's weight version if it is a number (an earlier trainer's), else 0."""
-        version = str(self._get("weight_info").get("weight_version"))
-        return int(version) if version.isdigit() else 0
 
     def _world_size(self) -> int:
         return int(self._get("get_world_size")["world_size"])
