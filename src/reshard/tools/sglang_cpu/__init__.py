@@ -35,6 +35,7 @@ __all__ = ["SHIM_DIR", "SIDE_DIRS", "SglangServer", "sglang_argv", "sglang_env",
            "use_sglang_here"]
 
 SHIM_DIR = Path(__file__).parent / "shim"
+_ZYGOTE = None  # the process the servers fork from (reshard.tools.sglang_cpu.launch)
 _SHIM: dict[str, Any] = {}  # the stand-ins' globals, where this process ran them
 #: where ``make setup`` installs torchvision and triton for SGLang's processes alone
 SIDE_DIRS = (Path(sys.prefix) / "sglang-side", Path(sys.prefix) / "megatron-triton")
@@ -94,6 +95,17 @@ class SglangServer(Server):
         self.argv = sglang_argv(model, port=port, host=host, tp=tp, **argv)
         self.env, self.log = env or sglang_env(tp), Path(log)
         self.proc = None
+
+    def start(self) -> SglangServer:
+        """Forked from the harness's SGLang zygote (:mod:`.launch`), not spawned."""
+        from reshard.tools.sglang_cpu.launch import Zygote
+
+        global _ZYGOTE
+        if _ZYGOTE is None:
+            _ZYGOTE = Zygote(sglang_env(1))
+        i = self.argv.index("sglang.launch_server")
+        self.proc = _ZYGOTE.fork(self.argv[i + 1:], env=self.env, log=self.log)
+        return self
 
     def generate(self, tokens: Sequence[int], max_tokens: int, **sampling: Any) -> Any:
         """Greedy tokens and their logprobs (``/generate``, token ids in):
