@@ -92,3 +92,24 @@ def test_bits_pack_and_unpack():
     packed = codec.pack_bits(mask)
     assert packed.tolist() == [0b00011001, 0b011] and torch.equal(codec.unpack_bits(
         packed, 11), mask)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 5000), frac=st.floats(0, 0.05), seed=st.integers(0, 2**31 - 1),
+       run=st.integers(0, 40))
+def test_few_changes_positions_read_off_the_packed_mask_are_exact(n, frac, seed, run):
+    """At most FEW_CHANGED of a region changed, the positions come from its packed mask:
+    the same as a scan of every element, and the copy updated at exactly them."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(n, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    hit = torch.rand(n, generator=g) < frac
+    hit[:min(run, n)] = True  # a run of changes: whole bytes of the mask set
+    new[hit] = (new[hit].float() * 3 + 1).to(torch.bfloat16)
+    want = codec.changed(new, old).nonzero().view(-1)
+    copy = old.clone()
+    enc = codec.encode(new, copy, update=True)
+    if enc.kind != codec.DENSE and enc.count:
+        assert torch.equal(enc.index, want)
+        assert torch.equal(_bits(enc.values), _bits(new[want]))
+    assert torch.equal(_bits(copy), _bits(new))

@@ -124,7 +124,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, sparse: bool = True,
         return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64, device=new.device),
                        new[:0])
     if new.device.type == "cpu":
-        index, values, head = _found_on_host(new, old, mask, kind, update)
+        index, values, head = _found_on_host(new, old, mask, kind, update, m)
     else:
         index = positions(mask)
         values = new[index]
@@ -137,16 +137,19 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, sparse: bool = True,
 
 
 def _found_on_host(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, kind: int,
-                   update: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The changed elements' positions, values and index part, in numpy (its gather and
-    scatter by position are about twice torch's advanced indexing on one CPU thread);
-    ``update``: written into ``old``."""
+                   update: bool, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``m`` changed elements' positions, values and index part, in numpy (its gather
+    and scatter by position are about twice torch's advanced indexing on one CPU thread);
+    ``update``: written into ``old``. With few changes the positions are read off the
+    packed mask (:func:`_set_bits`), else found by ``flatnonzero``."""
     width = _INT[new.element_size()]
-    now = new.view(width).numpy()
-    where = np.flatnonzero(mask.numpy())
+    now, bools = new.view(width).numpy(), mask.numpy()
+    few = m <= FEW_CHANGED * bools.size
+    packed = np.packbits(bools, bitorder="little") if few or kind == BITMAP else None
+    where = _set_bits(packed) if few else np.flatnonzero(bools)
     values = now[where]
     if kind == BITMAP:
-        head = pack_bits(mask)
+        head = torch.from_numpy(packed)
     else:
         head = torch.from_numpy(where.astype(np.int32 if kind == OFFSETS32 else np.int16))
     if update:
@@ -156,6 +159,34 @@ def _found_on_host(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, kin
             old.view(width).numpy()[where] = values
     return (torch.from_numpy(where), torch.from_numpy(values).view(new.dtype),
             head.view(torch.uint8))
+
+
+FEW_CHANGED = 1 / 32
+"""At most this fraction of a region changed, its changes' positions are read off its
+packed mask: one bit an element, packed at about 0.06 ns an element, then only the
+bytes with a bit set are visited (:func:`_set_bits`); numpy's ``flatnonzero`` scans
+every element of the mask (about 0.35 ns an element on one core). Measured on one
+thread: at 0.1% changed 0.13 against 0.33 ns an element, at 1% 0.27 against 0.39, at
+2.1% 0.33 against 0.46, even at 5%."""
+_BIT_COUNT = np.array([bin(v).count("1") for v in range(256)], dtype=np.int64)
+_BIT_START = np.concatenate([[0], np.cumsum(_BIT_COUNT)[:-1]])
+_BIT_AT = np.array([b for v in range(256) for b in range(8) if v >> b & 1], dtype=np.int64)
+
+
+def _set_bits(packed: np.ndarray) -> np.ndarray:
+    """The positions, ascending (int64), of the set bits of :func:`pack_bits`'s bytes
+    (element ``i`` at bit ``i % 8`` of byte ``i // 8``): each nonzero byte's bits from a
+    table of the 256 bytes' set bits."""
+    at = np.flatnonzero(packed != 0)
+    byte = packed[at]
+    count = _BIT_COUNT[byte]
+    ends = np.cumsum(count)
+    total = int(ends[-1]) if len(ends) else 0
+    k = np.repeat(_BIT_START[byte] - (ends - count), count)  # this byte's bits in _BIT_AT
+    k += np.arange(total)
+    out = np.repeat(at << 3, count)
+    out += _BIT_AT[k]
+    return out
 
 
 def write_payload(enc: Encoded, out: torch.Tensor) -> None:
