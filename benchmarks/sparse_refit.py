@@ -3,7 +3,7 @@ fraction of changed engine-dtype values (issue 39).
 
     PYTHONPATH=src python benchmarks/sparse_refit.py [--model qwen3-0.6b] [--layers N]
         [--fractions 0.001,0.01,0.05,0.2,0.5,1] [--repeats 3] [--link-mbit R]
-        [--out FILE.json] [--profile DIR]
+        [--after-dense] [--out FILE.json] [--profile DIR]
 
 Two jobs of local processes meet as a refit does: a trainer of 2 gloo ranks holding
 fp32 master weights FSDP-style (every tensor's rows split over the ranks) and an
@@ -16,20 +16,21 @@ trainer on one emulated node and the engine on another (network namespaces), eve
 byte between them crossing a link shaped to ``R`` Mbit/s each way, as between nodes.
 
 Before each timed refit every trainer rank changes each of its elements with the given
-probability (drawn anew each time, each changed enough to change its bf16 value), so
-the fraction is of bf16 values changed since the last committed version. One sender
-with ``sparse="on"`` alternates sparse refits and dense ones (``refit(..., dense=True)``,
-the same transfer as ``sparse="off"``); a dense refit's time here excludes the copy
-that keeps the sender's base (reported apart, ``copy s``). The four processes start
-each timed refit together (a barrier), so no refit's time holds another rank's
-preparation. Reported per fraction: the trainer ranks' wire bytes against the dense
-bytes, the median refit time (the trainer's ``refit()``: its check, detection and
-encoding, the messages, the receivers' decoding and applying, the commit), the
-detection time (the slower trainer rank), the receivers' decoding and applying (the
-slower engine rank), and which encodings the regions took. At the end the engine's
-weights after the last sparse refit are compared, bit for bit, with those a dense
-refit of the same values leaves. ``--profile DIR``: where each process's time in its
-sparse refits goes (cProfile).
+probability (drawn anew each time, each changed enough to change its bf16 value), so the
+fraction is of bf16 values changed since the last committed version. One sender with
+``sparse="on"`` alternates sparse refits and dense ones (``refit(..., dense=True)``, the
+same transfer as ``sparse="off"``); each timed sparse refit follows an untimed sparse
+one of the same fraction, as in an RL loop (``--after-dense``: it follows the dense
+one). A dense refit's time here excludes the copy that keeps the sender's base (reported
+apart, ``copy s``). The four processes start each refit together (a barrier), so no
+refit's time holds another rank's preparation. Reported per fraction: the trainer ranks'
+wire bytes against the dense bytes, the median refit time (the trainer's ``refit()``:
+its check, detection and encoding, the messages, the receivers' decoding and applying,
+the commit), the detection time (the slower trainer rank), the receivers' decoding and
+applying (the slower engine rank), and which encodings the regions took. At the end the
+engine's weights after the last sparse refit are compared, bit for bit, with those a
+dense refit of the same values leaves. ``--profile DIR``: where each process's time in
+its sparse refits goes (cProfile).
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ def change(params: dict[str, torch.Tensor], fraction: float, g: torch.Generator)
         flat[idx] = flat[idx] * (1 + 2 ** -6) + 2 ** -20
 
 
+def kinds(args) -> tuple[str, ...]:
+    """The refits of one repeat, in order: by default an untimed sparse refit ("lead"),
+    so that the timed sparse refit follows a sparse one as in an RL loop (every refit after
+    the first sparse), then the timed sparse and dense ones; ``--after-dense``: the timed
+    sparse refit right after the last repeat's dense one (its regions then changed wholly
+    at their last refit, so each is first compared on a sample)."""
+    return ("sparse", "dense") if args.after_dense else ("lead", "sparse", "dense")
+
+
 def _node(args, side: str) -> dict:
     """Enter this side's emulated node (``--link-mbit``); the jobs' meeting arguments."""
     if args.nodes is None:
@@ -121,10 +131,13 @@ def trainer(rank, port, args, out):
     for fraction in args.fractions:
         got = {"sparse": [], "dense": []}
         for _ in range(args.repeats):
-            for kind in ("sparse", "dense"):
+            for kind in kinds(args):
                 change(params, fraction, g)
                 version += 1
-                args.barrier.wait()  # all four start the timed refit together
+                args.barrier.wait()  # all four start each refit together
+                if kind == "lead":  # untimed: the sparse refit before the timed one
+                    sender.refit(version)
+                    continue
                 stats = prof.refit(lambda v=version, k=kind: sender.refit(v, dense=k == "dense"))
                 got[kind].append(stats)
         rows.append((fraction, got))
@@ -184,12 +197,14 @@ def engine(rank, port, args, out):
               for n, lay in lays.items()}
     receiver = RefitReceiver(served, lays, rank=rank, port=port, **jobs)
     receiver.refit()
-    prof, timed = Profiles(args, f"engine-{rank}"), len(args.fractions) * args.repeats * 2
-    applied = []  # each timed refit's decoding and applying on this rank (sparse ones)
+    steps = kinds(args)
+    prof, timed = Profiles(args, f"engine-{rank}"), len(args.fractions) * args.repeats * len(steps)
+    applied = []  # each refit's decoding and applying on this rank (sparse ones)
     for i in range(timed + 1):
         if i < timed:
             args.barrier.wait()
-        s = prof.refit(receiver.refit)
+        lead = i < timed and steps[i % len(steps)] == "lead"
+        s = receiver.refit() if lead else prof.refit(receiver.refit)
         applied.append(s.sparse.detect_seconds if s.sparse is not None else 0.0)
     prof.save()
     after_sparse = {n: t.clone() for n, t in served.items()}  # the last was sparse, then
@@ -232,6 +247,7 @@ def table(result: dict, args) -> str:
              "time ratio | detect s | apply s | copy s | encodings (regions) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     per_rank = list(result["trainers"].values())
+    at, sparse_at = len(kinds(args)), kinds(args).index("sparse")
     for i, fraction in enumerate(args.fractions):
         def col(kind, key, agg=sum, rows=per_rank, i=i):
             return [agg(r[i][1][kind][j][key] for r in rows) for j in range(args.repeats)]
@@ -241,7 +257,7 @@ def table(result: dict, args) -> str:
                                                          col("dense", "copy", max))])
         detect = statistics.median(col("sparse", "detect", max))
         apply = statistics.median(  # the slower engine rank's, each sparse refit
-            max(a[2 * (i * args.repeats + j)] for a in result["applied"])
+            max(a[at * (i * args.repeats + j) + sparse_at] for a in result["applied"])
             for j in range(args.repeats))
         copy = statistics.median(col("dense", "copy", max))
         enc: dict[str, int] = {}
@@ -263,6 +279,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-mbit", type=float, default=None, help="trainer and engine on "
                     "two emulated nodes joined by a link of this rate (needs root)")
+    ap.add_argument("--after-dense", action="store_true", help="no untimed sparse refit "
+                    "before each timed one: it follows a dense refit")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="a folder: each process's cProfile "
                     "stats written there")
