@@ -81,9 +81,8 @@ def _fp8_reference(state: Path) -> Path:
 def test_fsdp2_trainer_refits_an_fp8_engine_like_a_fresh_one(checkpoints, tmp_path,
                                                              monkeypatch):
     bf16, fp8_dir = checkpoints
-    # FP8 block refits are refused without the opt-in until this test has passed on a host
-    # with AMX (vllm.mapping.check_family); the engine's workers inherit it
-    monkeypatch.setenv("RESHARD_UNCHECKED_FAMILIES", "1")
+    # no opt-in: an FP8 block checkpoint of a checked family (qwen3) is refitted as is
+    monkeypatch.delenv("RESHARD_UNCHECKED_FAMILIES", raising=False)
     records, trainer = refit_steps(bf16, tmp_path, "fsdp", DTYPE, TP, STEPS,
                                    engine_dir=fp8_dir, reference=_fp8_reference)
     assert all(e["ok"] for rank_log in trainer for e in rank_log), trainer

@@ -182,11 +182,10 @@ def received_logical(mapping, rank: int, received) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("trainer", ["fsdp2", "megatron_tp4"])
 def test_every_engine_rank_gets_what_vllms_loaders_take_from_the_fp8_checkpoint(
         monkeypatch, trainer):
-    # an FP8 block checkpoint is mapped, but only with the opt-in until an end-to-end run
-    # on a host with AMX (tests/integration/test_vllm_fp8.py) passed
-    with pytest.raises(MappingError, match="FP8 block checkpoint.*never checked end to end"):
-        check_family(CFG)
-    assert check_family(CFG, unchecked_ok=True) == "qwen3"
+    # an FP8 block checkpoint of a checked family needs no opt-in: its refit ran end to end
+    # on a host with AMX (tests/integration/test_vllm_fp8.py)
+    monkeypatch.delenv("RESHARD_UNCHECKED_FAMILIES", raising=False)
+    assert check_family(CFG) == "qwen3"
     mapping = hf_to_vllm(CFG, TP)
     full = _full_state()
     checkpoint, received, plan8 = refit_against_reference(
@@ -235,3 +234,15 @@ def test_splits_vllm_refuses_or_serves_wrong_are_refused_by_name():
                    hf_tensors=fused)
     with pytest.raises(MappingError, match=r"reshard refits FP8 block checkpoints only"):
         hf_to_vllm(dict(CFG, quantization_config={"quant_method": "fp8"}), TP)
+
+
+def test_attention_scales_vllm_sets_itself_need_no_trainer_tensor():
+    """A quantized model's attention layers carry q/k/v/prob scales vLLM sets to 1.0 when
+    the checkpoint has none (what the FP8 engine test met on a host with AMX): nothing
+    of the trainer fills them and the refit leaves them as a fresh engine has them; any
+    other parameter no trainer tensor fills is still named."""
+    mapping = hf_to_vllm(CFG, TP)
+    scales = [f"model.layers.0.self_attn.attn.{s}_scale" for s in ("q", "k", "v", "prob")]
+    assert mapping.uncovered([*mapping.param_shapes, *scales]) == []
+    stray = "model.layers.0.self_attn.attn.o_scale"
+    assert mapping.uncovered([*mapping.param_shapes, *scales, stray]) == [stray]

@@ -60,6 +60,7 @@ from reshard.integrations.vllm.rules import (
 )
 from reshard.layout import Layout, dtype_itemsize, dtype_name
 from reshard.quant.blocks import BlockFormat
+from reshard.quant.targets import scale_name
 
 __all__ = [
     "CHECKED_FAMILIES", "CONVERSIONS", "MOE_BLOCKS", "RULES", "UNCHECKED_FAMILIES_ENV",
@@ -78,6 +79,13 @@ CHECKED_FAMILIES = frozenset({
 #: The environment variable that, set to ``1``, lets a family outside
 #: :data:`CHECKED_FAMILIES` be refitted (as ``unchecked_family_ok=True`` does).
 UNCHECKED_FAMILIES_ENV = "RESHARD_UNCHECKED_FAMILIES"
+
+ENGINE_INITIALISED = re.compile(r".*\.attn\.(q|k|v|prob)_scale$")
+"""vLLM parameters the engine sets itself when the checkpoint has none: the attention
+scales a quantized model's attention layers carry (KV-cache and FP8-attention scales),
+1.0 unless a checkpoint gives them. With no trainer tensor for them a refit leaves them
+as a fresh engine loaded from the trainer's checkpoint has them; one that the trainer
+does send is mapped like any other tensor."""
 
 #: Config fields under which vLLM's loader makes something else of the checkpoint than
 #: the rules model, whatever the family (field -> why): refused even with the opt-in.
@@ -109,14 +117,15 @@ def check_family(config: Any, unchecked_ok: bool = False) -> str:
                                "reshard cannot refit it")
     opted_in = unchecked_ok or os.environ.get(UNCHECKED_FAMILIES_ENV) == "1"
     quant = outer.get("quantization_config") or cfg.get("quantization_config")
-    if quant and not opted_in:  # an FP8 block checkpoint (the only one modelled)
+    experts = any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if quant and experts and not opted_in:  # FP8 blocks ran end to end on a dense model
         raise MappingError(
-            f"{family or 'this model'}: an FP8 block checkpoint, whose refit into vLLM was "
-            "never checked end to end (vLLM CPU's FP8 block kernels need AMX, and no host "
-            "with it ran tests/integration/test_vllm_fp8.py); its mapping is checked "
-            "against vLLM's loaders. To refit it anyway, pass unchecked_family_ok=True "
-            f"(or set {UNCHECKED_FAMILIES_ENV}=1) and check every refit with "
-            "reshard_verify and against a fresh engine")
+            f"{family or 'this model'}: an FP8 block checkpoint with experts, whose refit "
+            "into vLLM's FP8 MoE kernels was never checked end to end (the dense FP8 "
+            "refit is: tests/integration/test_vllm_fp8.py, on a host with AMX); its "
+            "mapping is checked against vLLM's FusedMoE loader. To refit it anyway, pass "
+            f"unchecked_family_ok=True (or set {UNCHECKED_FAMILIES_ENV}=1) and check every "
+            "refit with reshard_verify and against a fresh engine")
     if family in CHECKED_FAMILIES or opted_in:
         return family
     raise MappingError(
@@ -216,8 +225,10 @@ class VllmMapping:
                    * dtype_itemsize(t.layout.dtype) for t in self.tensors.values())
 
     def uncovered(self, logical_shapes: Iterable[str]) -> list[str]:
-        """vLLM parameters that no HF tensor fills."""
-        return sorted(set(logical_shapes) - set(self.param_shapes))
+        """vLLM parameters that no HF tensor fills (but the ones the engine sets itself
+        when no checkpoint tensor does, :data:`ENGINE_INITIALISED`)."""
+        return sorted(p for p in set(logical_shapes) - set(self.param_shapes)
+                      if not ENGINE_INITIALISED.match(p))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.tp:
@@ -345,16 +356,21 @@ def unmapped_sides(config: Any, tp: int, logical_shapes: Mapping[str, Sequence[i
     tensors no rule matches, vLLM parameters no mapped trainer tensor reaches."""
     cfg = _config_dict(config)
     ctx = RuleContext(cfg, tp, "float32", None)
+    quantized = quant_format(config) is not None
     no_rule, reached = [], set()
     for name, shape in hf_tensors.items():
         if not any(p.match(name) for p, _ in rules):
             no_rule.append(name)
             continue
         with contextlib.suppress(MappingError, KeyError, ValueError):
-            reached.add(_apply(rules, name, tuple(shape), ctx)[0].param)
+            param = _apply(rules, name, tuple(shape), ctx)[0].param
+            reached.add(param)
+            if quantized:  # an FP8 weight's scale travels with it
+                reached.add(scale_name(param))
     tied = cfg.get("tie_word_embeddings") and "model.embed_tokens.weight" in reached
     unreached = sorted(p for p in logical_shapes if p not in reached
-                       and not (tied and p == "lm_head.weight"))
+                       and not (tied and p == "lm_head.weight")
+                       and not ENGINE_INITIALISED.match(p))
     parts = []
     if no_rule:
         parts.append(f"trainer tensors no rule maps: {len(no_rule)} (first: {no_rule[0]!r})")
