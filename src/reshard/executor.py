@@ -83,6 +83,7 @@ class Executor:
             self._runner.checksum = self.checksum
             self._runner.digest_key, self._runner.digest_label = digest_key, method.encode()
         self._digest_key, self._sparse = digest_key, None
+        self._progress: Callable[[int, int], None] | None = None
         self._baseline = None
         if method == "gather_broadcast":
             from reshard._transport.baseline import GatherBroadcast
@@ -104,6 +105,7 @@ class Executor:
                                         staging_bytes=self.staging_bytes,
                                         checksum=self.checksum, digest_key=self._digest_key,
                                         copies=copies, same_source=self.same_source)
+            self._sparse.progress = self._progress
         return self._sparse
 
     def release(self) -> None:
@@ -163,6 +165,9 @@ class Executor:
     def progress(self, callback: Callable[[int, int], None] | None) -> None:
         if self._runner is not None:
             self._runner.progress = callback
+        self._progress = callback  # a sparse runner made later takes it too
+        if self._sparse is not None:
+            self._sparse.progress = callback
 
     @property
     def deadline(self) -> float | None:

@@ -10,6 +10,11 @@ of the transformers model holding the trainer's weights, every logical vLLM weig
 bit for bit what vLLM's own loader makes of the trainer's full state dict, each vLLM rank
 received exactly its bytes, and the version is the step.
 
+The first test's trainers refit sparse (``sparse="on"``, issue 39): the first refit is
+dense (no base yet), every later one through the sparse transport (only the float32
+values that changed, with their positions), each landing exactly as above, each vLLM
+rank having received the encoded bytes its sparse stats count.
+
 The second test kills a trainer actor (``ray.kill``) while it is inside a refit (it
 pauses in its progress callback after the first round): the survivor and both vLLM
 ranks get a ``TransferError`` well before the refit's deadline, the engine keeps the
@@ -66,13 +71,14 @@ def check_landed(record, step: int) -> None:
     assert [r["version"] for r in record.engine] == [step] * TP
     assert all(r["committed"] for r in record.engine)
     assert [t["version"] for t in record.trainer] == [step] * len(record.trainer)
-    assert all(t["rounds"] > 1 for t in record.trainer)  # in rounds: a refit can be cut
+    # in rounds: a refit can be cut (a sparse one takes as many as its encoded bytes need)
+    assert all(t["rounds"] > 1 or t.get("sparse") for t in record.trainer), record.trainer
     assert not any(s["stale"] for s in record.check["status"])
 
 
 def test_ray_actors_refit_the_engine_every_step(cluster, tmp_path):
     engine, model_dir = cluster
-    loop = Loop(engine, model_dir, tmp_path / "steps")
+    loop = Loop(engine, model_dir, tmp_path / "steps", sparse="on")
     info = loop.start()
     assert [i["version"] for i in info] == [NO_VERSION] * TP  # its checkpoint's weights
     # uneven vocabulary: vLLM rank 1 holds 12 padding rows of embed_tokens and lm_head
@@ -80,6 +86,16 @@ def test_ray_actors_refit_the_engine_every_step(cluster, tmp_path):
     records = [loop.step(step) for step in range(1, 4)]
     for step, record in enumerate(records, 1):
         check_landed(record, step)
+        sides = [*record.trainer, *record.engine]
+        if step == 1:  # no base yet: dense
+            assert all(s["sparse"] is None for s in sides), record.line()
+            continue
+        # sparse, every rank, bit for bit (check_landed); each engine rank received the
+        # encoded bytes its sparse stats count (a dense refit's: its expected_bytes)
+        assert all(s["sparse"] is not None for s in sides), record.line()
+        print(record.line())
+        # float32 values under AdamW: (nearly) all change, so the messages go dense
+        assert all(0 < s["sparse"]["changed_fraction"] <= 1 for s in record.trainer)
     loop.close()
 
 

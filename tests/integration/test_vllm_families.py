@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -158,10 +158,11 @@ def models(tmp_path_factory):
 def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int,
                 steps: int, *, engine_dir: Path | None = None,
                 reference: Callable[[Path], Path] = lambda state: state,
-                ) -> tuple[list[dict], list]:
-    """The trainer job (on ``model_dir``) refits a reshard engine (loaded from
-    ``engine_dir``, by default the same) ``steps`` times; per step: each rank's refit
-    result, the answers, the weight check against ``reference(the step's state)``."""
+                job_args: Sequence[str] = ()) -> tuple[list[dict], list]:
+    """The trainer job (on ``model_dir``; ``job_args``: more of its options) refits a
+    reshard engine (loaded from ``engine_dir``, by default the same) ``steps`` times;
+    per step: each rank's refit result, the answers, the weight check against
+    ``reference(the step's state)``."""
     llm = engine(engine_dir or model_dir, tp, dtype, reshard=True, kind=model_dir.name)
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
@@ -170,7 +171,8 @@ def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int
         with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
             job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port),
                                     str(out), "--shard", shard, "--steps", str(steps),
-                                    "--inference-size", str(tp)], stdout=so, stderr=se)
+                                    "--inference-size", str(tp), *job_args],
+                                   stdout=so, stderr=se)
             try:
                 infos = collective(llm, "reshard_init", "127.0.0.1", port, 2)
                 assert [i["rank"] for i in infos] == list(range(tp))

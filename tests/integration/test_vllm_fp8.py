@@ -83,15 +83,25 @@ def test_fsdp2_trainer_refits_an_fp8_engine_like_a_fresh_one(checkpoints, tmp_pa
     bf16, fp8_dir = checkpoints
     # no opt-in: an FP8 block checkpoint of a checked family (qwen3) is refitted as is
     monkeypatch.delenv("RESHARD_UNCHECKED_FAMILIES", raising=False)
+    # the trainer refits sparse (issue 39): step 1 dense (no base), then only the FP8
+    # blocks any element of which changed, each whole with its scale
     records, trainer = refit_steps(bf16, tmp_path, "fsdp", DTYPE, TP, STEPS,
-                                   engine_dir=fp8_dir, reference=_fp8_reference)
+                                   engine_dir=fp8_dir, reference=_fp8_reference,
+                                   job_args=("--sparse", "on", "--lr", "1e-3"))
     assert all(e["ok"] for rank_log in trainer for e in rank_log), trainer
     config = json.loads((fp8_dir / "config.json").read_text())
     mapping = hf_to_vllm(config, TP, dtype=DTYPE)
     for step, rec in enumerate(records, 1):
         for rank, res in enumerate(rec["res"]):
             assert res["ok"] and res["committed"] and res["version"] == step, res
-            assert res["bytes_received"] == mapping.shard_bytes(rank), res  # FP8 + scales
+            if step == 1:  # dense: FP8 codes + scales, what the mapping gives the rank
+                assert res["sparse"] is None, res
+                assert res["bytes_received"] == mapping.shard_bytes(rank), res
+            else:  # sparse: the encoded bytes its stats count, at most about a dense's
+                sparse = res["sparse"]
+                assert sparse is not None and res["bytes_received"] == sparse["wire_bytes"]
+                print(f"step {step} rank {rank}: {sparse['changed_fraction']:.1%} changed, "
+                      f"{res['bytes_received']} B of {mapping.shard_bytes(rank)} dense")
         for v in rec["verify"]:
             assert v["mismatched"] == [] and v["checked"] > 0, v
         state = torch.load(tmp_path / "out" / f"step{step}.pt")

@@ -2,7 +2,8 @@
 columns, a replicated norm), one process each, in a few seconds: after the first
 (dense) refit only the changed bf16 values travel, every version lands bit for bit;
 an engine rank without the base gets dense while the other gets sparse, in the same
-refit; a trainer failing midway leaves the previous version live and no rank with a
+refit (a sparse refit calls the progress callback as a dense one does); a trainer
+failing midway leaves the previous version live and no rank with a
 base; the next refit is dense and exact again; ``sparse="auto"`` goes dense after a
 refit where sparse did not pay."""
 
@@ -65,15 +66,19 @@ class Failing(dict):
 def trainer(rank, port, mode, out):
     params = {n: TRAINER[n].shard(t, rank).clone() for n, t in full(0).items()}
     wrapped = Failing(params, STEPS.index(None) + 1)
+    calls = []  # the progress callback's (done, total), this refit
     sender = RefitSender(wrapped, layouts=TRAINER, rank=rank, port=port, sparse=mode,
-                         **JOBS)
+                         progress=lambda done, total: calls.append((done, total)), **JOBS)
     log = []
     for step in range(1, len(STEPS) + 1):
         for n, t in full(step).items():
             params[n].copy_(TRAINER[n].shard(t, rank))
         wrapped.step, wrapped.reads = step, 0
+        calls.clear()
         try:
             s = sender.refit(step)
+            if s.sparse is not None and s.sparse.used:  # a sparse refit reports progress too
+                assert calls and calls[-1][0] == s.sparse.wire_sent, (calls, s.sparse)
             log.append(("ok", s.bytes_sent, s.sparse))
         except R.TransferError as e:
             log.append(("failed", str(e), None))

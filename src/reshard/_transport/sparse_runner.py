@@ -8,6 +8,7 @@ checksum option, its digest), then the payload (:mod:`reshard._transport.sparse`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,10 @@ class SparseRunner:
         self._work: dict[tuple, torch.Tensor] = {}  # scratch: (dtype, device) -> buffer
         self.checksum, self.digest_key = checksum, digest_key
         self.deadline: float | None = None
+        #: called as each step ends with (wire bytes sent so far, the dense bytes this rank
+        #: sends per run), as the dense runner's ``progress`` is (the executor's)
+        self.progress: Callable[[int, int], None] | None = None
+        self._dense_total = sum(h.nbytes for h in self.sends)
         self.broken = False  # the last run failed in the transport
         self.read_error: BaseException | None = None
         self.corrupt: str | None = None
@@ -255,6 +260,8 @@ class SparseRunner:
                        or any(at < len(self.in_units[p]) for p, at in in_at.items())):
                     self._step(stats.rounds, out_at, in_at, sparse_to, stats)
                     stats.rounds += 1
+                    if self.progress is not None:
+                        self.progress(stats.wire_sent, self._dense_total)
         except RuntimeError as e:  # a peer died or timed out
             self.broken = True
             raise TransferError(f"rank {self.rank}: sparse transfer failed in step "

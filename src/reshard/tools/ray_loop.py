@@ -70,12 +70,12 @@ class TrainerRank:
     updated in place with the rebuilt model's DTensors (same names and layouts)."""
 
     def __init__(self, rank: int, world_size: int, model_dir: str, out_dir: str, *,
-                 lr: float = 0.02, single_node: bool = True) -> None:
+                 lr: float = 0.02, single_node: bool = True, sparse: str = "off") -> None:
         import torch
 
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         torch.set_num_threads(1)
-        self.rank, self.world_size, self.lr = rank, world_size, lr
+        self.rank, self.world_size, self.lr, self.sparse = rank, world_size, lr, sparse
         self.model_dir, self.out_dir, self.single_node = model_dir, out_dir, single_node
         self.params: dict[str, Any] = {}
         self.sender: Any = None
@@ -123,7 +123,7 @@ class TrainerRank:
                 trainer_size=self.world_size, inference_size=inference_size,
                 budget_bytes=REFIT_BUDGET, progress=self._progress, token=refit.token,
                 timeout=timedelta(seconds=MEET_TIMEOUT_S),
-                refit_timeout=timedelta(seconds=REFIT_TIMEOUT_S))
+                refit_timeout=timedelta(seconds=REFIT_TIMEOUT_S), sparse=self.sparse)
         else:
             self.sender.reconnect(refit.host, refit.port,
                                   timeout=timedelta(seconds=MEET_TIMEOUT_S))
@@ -144,6 +144,7 @@ class TrainerRank:
         """Send the current weights as ``version``; a ``TransferError`` (a lost peer)
         comes back as ``ok: False``."""
         from reshard.errors import TransferError
+        from reshard.refit.sparse import sparse_summary
 
         self.refitting = version
         try:
@@ -154,7 +155,8 @@ class TrainerRank:
         finally:
             self.refitting = None
         return {"rank": self.rank, "ok": True, "version": stats.version,
-                "sent": stats.bytes_sent, "seconds": stats.seconds, "rounds": stats.rounds}
+                "sent": stats.bytes_sent, "seconds": stats.seconds, "rounds": stats.rounds,
+                "sparse": sparse_summary(stats.sparse)}
 
     def pause_in_refit(self, version: int) -> None:
         """The test hook: in refit ``version``, after its first round, announce this
@@ -228,6 +230,13 @@ class EngineActor:
         shutdown(self.llm)  # its processes exit on their own (rl_task.shutdown)
 
 
+def _expected_bytes(engine_rank: dict[str, Any]) -> int:
+    """What an engine rank receives: its shard's bytes in a dense refit; in a sparse one
+    the encoded messages its sparse stats count (``sparse.wire_bytes``)."""
+    sparse = engine_rank.get("sparse")
+    return engine_rank["expected_bytes"] if sparse is None else sparse["wire_bytes"]
+
+
 @dataclass
 class Record:
     """One step as the driver saw it."""
@@ -250,7 +259,7 @@ class Record:
         return {"generation": c["tokens"] == self.hf_tokens,
                 "weights": all(not v["mismatched"] and not v["live_mismatched"]
                                and v["checked"] > 0 for v in c["verify"]),
-                "bytes": all(r["bytes_received"] == r["expected_bytes"] for r in self.engine),
+                "bytes": all(r["bytes_received"] == _expected_bytes(r) for r in self.engine),
                 "version": c["versions"] == [self.step] * len(self.engine)}
 
     @property
@@ -265,6 +274,9 @@ class Record:
         c = self.checks
         trained = all("reward" in t for t in self.trainer)  # not a re-sent version
         reward = f"reward {self.mean_reward:.3f} | " if trained else ""
+        changed = [t["sparse"]["changed_fraction"] for t in self.trainer if t.get("sparse")]
+        if changed:
+            reward += f"sparse, {max(changed):.1%} changed | "
         return (f"step {self.step}: {reward}refit v{self.step}: "
                 f"transfer {max(t['seconds'] for t in self.trainer):.3f} s + vLLM commit "
                 f"{max(r['commit_seconds'] for r in self.engine):.3f} s | vLLM ranks received "
@@ -278,16 +290,17 @@ class Loop:
     """The driver: trainer actors and an engine actor refitted every step.
 
     ``engine`` is an :class:`EngineActor` handle (one engine may serve several loops
-    in turn: :meth:`start` meets it afresh)."""
+    in turn: :meth:`start` meets it afresh); ``sparse``: the trainer ranks' sparse mode
+    (``"off"``, ``"on"``, ``"auto"``; docs/sparse.md)."""
 
     def __init__(self, engine: Any, model_dir: str | Path, out_dir: str | Path, *,
-                 trainers: int = TRAINERS, lr: float = 0.02) -> None:
+                 trainers: int = TRAINERS, lr: float = 0.02, sparse: str = "off") -> None:
         import ray
 
         self.ray, self.engine = ray, engine
         self.model_dir, self.out_dir = str(model_dir), Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.trainers, self.lr, self.tp = trainers, lr, TP
+        self.trainers, self.lr, self.tp, self.sparse = trainers, lr, TP, sparse
         self.actors = [self._new_actor(r) for r in range(trainers)]
         self.ref: Any = None
         self.info: list[dict[str, Any]] = []
@@ -295,7 +308,8 @@ class Loop:
 
     def _new_actor(self, rank: int) -> Any:
         actor = self.ray.remote(num_cpus=0)(TrainerRank)
-        return actor.remote(rank, self.trainers, self.model_dir, str(self.out_dir), lr=self.lr)
+        return actor.remote(rank, self.trainers, self.model_dir, str(self.out_dir), lr=self.lr,
+                            sparse=self.sparse)
 
     def _get(self, refs: Any) -> Any:
         return self.ray.get(refs, timeout=CALL_TIMEOUT_S)
