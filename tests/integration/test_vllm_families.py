@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -42,6 +40,7 @@ except Exception as e:  # ImportError, or a broken install
     pytest.skip(f"vllm is not importable: {e!r}", allow_module_level=True)
 
 import torch  # noqa: E402
+from _engine_procs import start_job  # noqa: E402
 from test_vllm_refit import (  # noqa: E402
     EXT,
     JOB,
@@ -169,10 +168,9 @@ def refit_steps(model_dir: Path, tmp_path: Path, shard: str, dtype: str, tp: int
     records = []
     try:
         with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
-            job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port),
-                                    str(out), "--shard", shard, "--steps", str(steps),
-                                    "--inference-size", str(tp), *job_args],
-                                   stdout=so, stderr=se)
+            job = start_job(JOB, [model_dir, port, out, "--shard", shard, "--steps", steps,
+                                  "--inference-size", tp, *job_args], stdout=so.name,
+                            stderr=se.name)
             try:
                 infos = collective(llm, "reshard_init", "127.0.0.1", port, 2)
                 assert [i["rank"] for i in infos] == list(range(tp))

@@ -31,8 +31,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -108,6 +106,7 @@ def start_llm(tp: int, **options) -> LLM:
 
 #: stops an engine of :func:`start_llm` (its processes skip the interpreter's teardown)
 close_llm = _engine_procs.close
+start_job = _engine_procs.start_job  # a trainer job's process, forked preloaded
 
 
 class Engines:
@@ -254,10 +253,9 @@ def run_refits(engines, tmp_path, kind: str, shard: str, *, steps: int = 3,
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
     with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
-        job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
-                                "--shard", shard, "--steps", str(steps),
-                                "--fail-at", str(fail_at), "--method", method, *job_args],
-                               stdout=so, stderr=se, env=_job_env(token))
+        job = start_job(JOB, [model_dir, port, out, "--shard", shard, "--steps", steps,
+                              "--fail-at", fail_at, "--method", method, *job_args],
+                        stdout=so.name, stderr=se.name, env=_job_env(token))
         try:
             init = {"master_address": "127.0.0.1", "master_port": port, "trainer_size": 2,
                     "hf_tensors": shapes, "staging": staging, "token": token, **init_options}
@@ -604,8 +602,8 @@ def test_in_flight_request_at_a_commit_goes_on_with_new_kv(engines, tmp_path):
     port, out = free_port(), tmp_path / "out"
     out.mkdir()
     with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
-        job = subprocess.Popen([sys.executable, str(JOB), str(model_dir), str(port), str(out),
-                                "--shard", "fsdp", "--steps", "1"], stdout=so, stderr=se)
+        job = start_job(JOB, [model_dir, port, out, "--shard", "fsdp", "--steps", 1],
+                        stdout=so.name, stderr=se.name)
         try:
             collective(llm, "reshard_init", "127.0.0.1", port, 2)
             engine = llm.llm_engine
