@@ -20,9 +20,11 @@ changes what an engine or a trainer computes):
 * **Trainer jobs forked from the same forkserver.** :func:`start_job` runs a trainer
   job's script as ``python SCRIPT ARGS`` would (its ``__main__``, its ``argv``, its
   folder first on ``sys.path``, its output into files), in a process forked from that
-  forkserver, which imported torch and transformers already: about 4 s less per job
-  here, each job on the critical path of its test. The job forks its ranks as it always
-  does; only its interpreter's start differs.
+  forkserver, which imported torch, transformers and vLLM already: about 4 s less per
+  job here (9 s for a job that imports vLLM's client), each on the critical path of its
+  test. The job forks its ranks as it always does; only its interpreter's start differs.
+  Only once an engine start has started the forkserver (see :func:`start_job`); before
+  that, a job is a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from typing import Any
 #: imports it once
 PRELOAD = ["vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.v1.engine.core", "reshard.integrations.vllm.worker",
-           "reshard.integrations.hf", "reshard.refit", "reshard.tools.launch"]
+           "reshard.integrations.hf", "reshard.refit", "reshard.tools.launch",
+           "vllm.distributed.weight_transfer.clients",
+           "vllm.distributed.weight_transfer.factory"]
 
 
 def _run_as_spawned(env: dict[str, str], cwd: str, target, args, kwargs):
@@ -84,6 +88,7 @@ def install() -> None:
 
 
 def _run_script(script: str, args: list[str], stdout: str, stderr: str) -> None:
+    """``script``: a file, or ``-m`` and a module's name, as the interpreter takes them."""
     import runpy
     import sys
 
@@ -91,10 +96,14 @@ def _run_script(script: str, args: list[str], stdout: str, stderr: str) -> None:
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, fd)
         os.close(out)
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script.startswith("-m "):
+            sys.argv = [script[3:], *args]
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -127,17 +136,39 @@ class Job:
             self.proc.join()
 
 
-def start_job(script, args, *, stdout, stderr, env: dict[str, str] | None = None) -> Job:
-    """``python SCRIPT ARGS`` (stdout and stderr into those files, ``env`` its whole
-    environment, by default this process's), its process forked from the forkserver."""
+def forkserver_running() -> bool:
+    """Whether an engine start has started the forkserver (in this process)."""
+    from multiprocessing import forkserver
+
+    return _context is not None and forkserver._forkserver._forkserver_address is not None
+
+
+def start_job(script, args, *, stdout, stderr, env: dict[str, str] | None = None):
+    """``python SCRIPT ARGS`` (or ``python -m MODULE ARGS`` for ``script="-m MODULE"``;
+    stdout and stderr into those files, ``env`` its whole environment, by default this
+    process's): forked from the forkserver if an engine start has started it, else a
+    fresh interpreter (``subprocess.Popen``). Never the first to start the forkserver:
+    vLLM CPU's engine start sets, in this process's environment, what the forkserver
+    reads once at its own start and its engine workers inherit (``LD_PRELOAD`` of
+    tcmalloc and torch's libgomp, ``TORCHINDUCTOR_CPP_DYNAMIC_THREADS``, which shapes the
+    kernels a compiled engine generates): a forkserver started by a job without them made
+    a served engine's fresh twin answer with other logprobs (2026-12-06)."""
+    import subprocess
+    import sys
+
+    script, args = str(script), [str(a) for a in args]
+    if not forkserver_running():
+        command = script.split(" ", 1) if script.startswith("-m ") else [script]
+        with open(stdout, "ab") as out, open(stderr, "ab") as err:
+            return subprocess.Popen([sys.executable, *command, *args], env=env,
+                                    stdout=out, stderr=err)
     saved = dict(os.environ)
     if env is not None:  # the child takes the environment of the moment
         os.environ.clear()
         os.environ.update(env)
     try:
         proc = _preloaded().Process(target=_run_script,
-                                    args=(str(script), [str(a) for a in args], str(stdout),
-                                          str(stderr)))
+                                    args=(script, args, str(stdout), str(stderr)))
         proc.start()
     finally:
         if env is not None:

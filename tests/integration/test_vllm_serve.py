@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -87,12 +86,16 @@ def _answers(server: Server) -> list[dict]:
 TOKEN = new_token()
 
 
-def _trainers(args: list[str], out: Path, tag: str) -> list[subprocess.Popen]:
+def _trainers(args: list[str], out: Path, tag: str) -> list:
+    """The job's two ranks, each a process forked from the preloaded forkserver
+    (``_engine_procs.start_job``: it imported vLLM's weight-transfer client once, about
+    9 s of each rank's start here), output in ``out/{tag}{rank}.log``."""
+    from _engine_procs import start_job
+
     port = free_port()
     env = {**os.environ, "SERVE_TEST_TOKEN": TOKEN}
-    return [subprocess.Popen([sys.executable, str(JOB), *args, "--rank", str(r),
-                              "--dist-port", str(port)], env=env,
-                             stdout=open(out / f"{tag}{r}.log", "wb"), stderr=subprocess.STDOUT)
+    return [start_job(JOB, [*args, "--rank", r, "--dist-port", port], env=env,
+                      stdout=out / f"{tag}{r}.log", stderr=out / f"{tag}{r}.log")
             for r in range(2)]
 
 

@@ -32,6 +32,15 @@ TRAINERS = ("grpo", "async")
 OVERLAP = {"grpo": False, "async": True}
 
 
+def _start_rank(args: list[str], env: dict[str, str], log):
+    """A rank of the example, forked from the preloaded forkserver (``_engine_procs``:
+    it imported vLLM's weight-transfer client once, about 9 s of each
+    rank's start here), as ``python -m reshard.tools.trl_grpo ARGS`` would run it."""
+    from _engine_procs import start_job
+
+    return start_job("-m reshard.tools.trl_grpo", args, env=env, stdout=log, stderr=log)
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_server, tmp_path_factory):
     """The two jobs on the shared server (conftest's ``tiny_server``: in the suite, after
@@ -44,7 +53,7 @@ def runs(tiny_server, tmp_path_factory):
     for trainer in TRAINERS:
         extra = () if OVERLAP[trainer] else ("--stop-the-world",)
         result = run_job(model, server.url, trainer, tmp / trainer, steps=STEPS,
-                         extra=extra)
+                         extra=extra, start=_start_rank)
         print((tmp / trainer / "rank0.log").read_text()[-600:])  # each refit's pause
         rec[trainer] = {"result": result, "before": before, "answers": _answers(server),
                         "version": server.weight_version()}

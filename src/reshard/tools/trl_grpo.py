@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,22 @@ def _count_gathers() -> list[int]:
     return count
 
 
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "reshard.tools.trl_grpo", *args],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 def run_job(model: str | Path, server_url: str, trainer: str, out: str | Path, *,
-            steps: int = 3, extra: tuple[str, ...] = (), timeout: float = 900) -> dict[str, Any]:
+            steps: int = 3, extra: tuple[str, ...] = (), timeout: float = 900,
+            start: Callable[[list[str], dict[str, str], Path], Any] = _start
+            ) -> dict[str, Any]:
     """This example's two ranks as local processes (what ``torchrun --nproc-per-node 2``
     would start), to the end: rank 0's result, with rank 1's refits (``rank1_refits``).
-    Each rank's output goes to ``OUT/rank{r}.log``; a rank that fails raises with both."""
+    Each rank's output goes to ``OUT/rank{r}.log``; a rank that fails raises with both.
+    ``start(args, env, log)``: how a rank's process starts (``python -m
+    reshard.tools.trl_grpo ARGS``, by default a fresh interpreter): anything with
+    ``wait(timeout)`` and ``kill()``."""
     from reshard.comm import free_port
 
     out = Path(out)
@@ -140,11 +152,9 @@ def run_job(model: str | Path, server_url: str, trainer: str, out: str | Path, *
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        with open(out / f"rank{rank}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "reshard.tools.trl_grpo", "--model", str(model),
-                 "--server", server_url, "--trainer", trainer, "--steps", str(steps),
-                 "--out", str(out), *extra], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(start(["--model", str(model), "--server", server_url, "--trainer",
+                            trainer, "--steps", str(steps), "--out", str(out), *extra],
+                           env, out / f"rank{rank}.log"))
     try:
         codes = [p.wait(timeout) for p in procs]
     finally:
