@@ -58,10 +58,11 @@ class _PreloadedContext:
         self._ctx.set_forkserver_preload(PRELOAD)
 
     def Process(self, group=None, target=None, name=None, args=(), kwargs=None,
-                *, daemon=None):
+                *, daemon=None, env: dict[str, str] | None = None):
+        """``env``: the child's environment (by default this process's of the moment)."""
         return self._ctx.Process(group=group, target=_run_as_spawned, name=name,
-                                 args=(dict(os.environ), os.getcwd(), target, tuple(args),
-                                       dict(kwargs or {})),
+                                 args=(dict(os.environ if env is None else env), os.getcwd(),
+                                       target, tuple(args), dict(kwargs or {})),
                                  daemon=daemon)
 
     def __getattr__(self, name: str) -> Any:
@@ -162,18 +163,9 @@ def start_job(script, args, *, stdout, stderr, env: dict[str, str] | None = None
         with open(stdout, "ab") as out, open(stderr, "ab") as err:
             return subprocess.Popen([sys.executable, *command, *args], env=env,
                                     stdout=out, stderr=err)
-    saved = dict(os.environ)
-    if env is not None:  # the child takes the environment of the moment
-        os.environ.clear()
-        os.environ.update(env)
-    try:
-        proc = _preloaded().Process(target=_run_script,
-                                    args=(script, args, str(stdout), str(stderr)))
-        proc.start()
-    finally:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(saved)
+    proc = _preloaded().Process(target=_run_script, env=env,
+                                args=(script, args, str(stdout), str(stderr)))
+    proc.start()
     return Job(proc)
 
 

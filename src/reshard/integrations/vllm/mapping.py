@@ -56,6 +56,7 @@ from reshard.integrations.vllm.rules import (
     RuleContext,
     RuleOut,
     Slot,
+    expert_count,
     padded_vocab,
 )
 from reshard.layout import Layout, dtype_itemsize, dtype_name
@@ -117,8 +118,7 @@ def check_family(config: Any, unchecked_ok: bool = False) -> str:
                                "reshard cannot refit it")
     opted_in = unchecked_ok or os.environ.get(UNCHECKED_FAMILIES_ENV) == "1"
     quant = outer.get("quantization_config") or cfg.get("quantization_config")
-    experts = any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    if quant and experts and not opted_in:  # FP8 blocks ran end to end on a dense model
+    if quant and expert_count(cfg) and not opted_in:  # FP8 blocks ran end to end on a dense model
         raise MappingError(
             f"{family or 'this model'}: an FP8 block checkpoint with experts, whose refit "
             "into vLLM's FP8 MoE kernels was never checked end to end (the dense FP8 "

@@ -33,7 +33,7 @@ from reshard.placement import Replicate, Shard, StridedShard
 
 __all__ = [
     "CONVERSIONS", "MOE_BLOCKS", "RULES", "VOCAB_PADDING", "Rule", "RuleContext", "RuleOut",
-    "Slot", "padded_vocab",
+    "Slot", "expert_count", "padded_vocab",
 ]
 
 
@@ -240,12 +240,18 @@ def _experts_params(p: str, c: RuleContext) -> tuple[str, str]:
             c.pick(*(f"{b}.w2_weight" for b in base)))
 
 
+def expert_count(cfg: Mapping[str, Any]) -> int | None:
+    """The routed experts a (text) config names, under any family's key; None for a
+    dense model."""
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    return int(n) if n else None
+
+
 def _num_experts(c: RuleContext) -> int:
-    n = c.cfg.get("num_experts") or c.cfg.get("num_local_experts") or c.cfg.get(
-        "n_routed_experts")
+    n = expert_count(c.cfg)
     if not n:
         raise MappingError("the config names no expert count (num_experts)")
-    return int(n)
+    return n
 
 
 def _expert_w13(m: re.Match, shape: tuple[int, ...], c: RuleContext) -> RuleOut:
