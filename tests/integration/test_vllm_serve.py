@@ -43,11 +43,14 @@ from reshard.tools.serve import Server  # noqa: E402
 JOB = Path(__file__).with_name("_serve_trainer_job.py")
 CHECK = [SYSTEM_PROMPT + [17, 42, 99, 256], SYSTEM_PROMPT + [5, 6, 7, 8, 9]]
 CHECK_TOKENS = 8
-#: In-flight traffic: 4 clients asking long requests back to back (the context's 512
-#: tokens nearly full), sharing the system prompt: one is generating whenever the swap
-#: comes, however fast the tiny model and however loaded the host.
-TRAFFIC = [SYSTEM_PROMPT[:150] + [3 + i] for i in range(4)]
-TRAFFIC_TOKENS = 350
+#: In-flight traffic: 4 clients asking long requests back to back (up to the context's
+#: 512 tokens nearly full), sharing the system prompt: one is generating whenever the swap
+#: comes, however fast the tiny model and however loaded the host. Each client asks its
+#: own length: with one length the four ran in lockstep (batched together, finishing
+#: together), and a swap falling in their common gap between requests -- the HTTP round
+#: trip and the next prefill -- found nothing in flight (seen once, in a fresh-clone run
+#: on a 2-core host). Lengths that differ spread the gaps apart.
+TRAFFIC = [(SYSTEM_PROMPT[:150] + [3 + i], 350 - 47 * i) for i in range(4)]
 
 
 class Traffic:
@@ -58,15 +61,15 @@ class Traffic:
         self.server, self.stop_ = server, threading.Event()
         self.answers: list[dict] = []
         self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._client, args=(p,), daemon=True)
-                        for p in TRAFFIC]
+        self.threads = [threading.Thread(target=self._client, args=(p, n), daemon=True)
+                        for p, n in TRAFFIC]
         for t in self.threads:
             t.start()
 
-    def _client(self, prompt: list[int]) -> None:
+    def _client(self, prompt: list[int], max_tokens: int) -> None:
         while not self.stop_.is_set():
             try:
-                self.answers.append(self.server.generate(prompt, TRAFFIC_TOKENS))
+                self.answers.append(self.server.generate(prompt, max_tokens))
             except Exception as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(repr(e))
 
