@@ -5,7 +5,11 @@ tokenizer) for every served scenario: ``test_vllm_serve.py``'s refits over vLLM'
 weight-sync protocol first, then ``test_vllm_serve_trl.py``'s TRL jobs (their file sorts
 after it), each meeting the server anew (its versions its steps, 0 first, whatever the
 server served); they stop the server when they are done (its fresh engines run with it
-down: 2 cores). Run alone, either file starts it.
+down: 2 cores). Run alone, either file starts it. Its process starts at the session's
+first integration test (``_server_start``, when a test of the session uses it): its start,
+about 40 s here (three processes importing vLLM, a compile), runs beside the tests before
+it, in the CPU they leave idle (a third of the suite's on 2 cores), and it waits idle
+until its first user, which waits for it to be ready.
 
 ``VLLM_USE_AOT_COMPILE=0`` for every engine the tests start (the served one, its fresh
 twins, the demos'): vLLM 0.32 with torch 2.13 saves its AOT-compiled model but cannot load
@@ -19,6 +23,7 @@ are untouched.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
@@ -36,9 +41,14 @@ class Served:
     tmp: Path
 
 
-@pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory):
-    pytest.importorskip("vllm")
+@pytest.fixture(scope="session", autouse=True)
+def _server_start(request, tmp_path_factory):
+    """``tiny_server``'s process, started without waiting for it, if a test of the
+    session uses it (and vLLM is installed); stopped at the session's end."""
+    if (importlib.util.find_spec("vllm") is None
+            or not any("tiny_server" in item.fixturenames for item in request.session.items)):
+        yield None
+        return
     from reshard.comm import free_port
     from reshard.integrations import hf
     from reshard.tools.serve import Server
@@ -46,6 +56,15 @@ def tiny_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     model = hf.build_tiny_model(tmp / "model", "qwen3")
     # a tokenizer for TRL's OpenAI routes; the refit scenario asks with token ids
-    server = Server(model, port=free_port(), log=tmp / "server.log", tokenizer=True)
-    with server:
+    server = Server(model, port=free_port(), log=tmp / "server.log", tokenizer=True).start()
+    try:
         yield Served(server, model, tmp)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(_server_start):
+    pytest.importorskip("vllm")
+    _server_start.server.wait_ready()
+    return _server_start
