@@ -1,7 +1,7 @@
 """The fleet model (``reshard.sim.fleet``): direct fan-out grows with the replica domains
 once the trainer's NICs are the bottleneck, relayed stays within its chain's fill;
 replicas sharing an NVLink domain are fed once; the one-replica loads it scales are the
-real domain schedule's."""
+real domain schedule's; a sparse refit, as built, goes direct to every replica."""
 
 from __future__ import annotations
 
@@ -57,3 +57,23 @@ def test_one_replica_loads_are_the_schedules():
             out = sum(h.nbytes for _, h in sched.hops()
                       if topo.domain(h.src_rank) == 0 != topo.domain(h.dst_rank))
             assert out == copies * copy
+
+
+def test_sparse_refits_go_direct_to_every_replica():
+    """At 1% changed (bf16) a replica's sparse share is a few percent of a copy, and as
+    built (direct, the flat schedule) the trainer sends it to each replica: R shares,
+    where a relayed dense refit sends one whole copy. At 100% every byte travels."""
+    points = fleet_curve(MODEL, "tp8", "tp8", "dgx-h100", (1, 8, 64), budget_bytes=8 << 20,
+                         changed=0.01)
+    one = points[0]
+    assert 0.02 < one.trainer_copies_sparse < 0.05
+    assert one.sparse_s < one.direct_s
+    for p in points[1:]:
+        assert p.trainer_copies_sparse == pytest.approx(p.replicas * one.trainer_copies_sparse)
+        assert p.sparse_s >= one.sparse_s
+    assert points[-1].trainer_copies_sparse > points[-1].trainer_copies_relay  # 64 x 3%
+    everything = fleet_curve(MODEL, "tp8", "tp8", "dgx-h100", (1,), budget_bytes=8 << 20,
+                             changed=1.0)[0]
+    assert everything.trainer_copies_sparse == pytest.approx(1.0, rel=1e-3)  # every byte
+    dense = fleet_curve(MODEL, "tp8", "tp8", "dgx-h100", (1,), budget_bytes=8 << 20)[0]
+    assert dense.sparse_s is None and dense.trainer_copies_sparse is None

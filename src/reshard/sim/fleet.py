@@ -18,6 +18,11 @@ holds. Assumptions, stated once:
   per domain after the first, each with a network hop's and a round's latency.
 * Replicas sharing a domain get their copies over the fast links from the one that
   received it: ``k - 1`` copies of a replica rank's share out of each receiving rank.
+* ``sparse`` (``changed=F``: a refit after the first, ``F`` of the engine-dtype values
+  changed; :mod:`reshard.sim.sparse`), as built: direct to every replica over the flat
+  schedule (no relay, no forward inside a domain), so the trainer's NICs send each replica
+  its encoded share (the one-replica sparse loads times R: each region's sender is the
+  same for every replica), after the detection, which does not grow with R.
 """
 
 from __future__ import annotations
@@ -43,15 +48,21 @@ class FleetPoint:
     relay_s: float
     trainer_copies_direct: int
     trainer_copies_relay: int
+    sparse_s: float | None = None
+    """A sparse refit's seconds (``changed``), as built: direct, after the detection."""
+    trainer_copies_sparse: float | None = None
+    """Its bytes out of the trainer's domain, in dense model copies."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
 def fleet_point(one: Prediction, cluster: Cluster, replicas: int, replica_gpus: int,
-                budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES) -> FleetPoint:
+                budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
+                sparse: Prediction | None = None) -> FleetPoint:
     """The fleet of ``replicas`` copies of the replica whose ``reshard`` prediction is
-    ``one`` (with its loads), each of ``replica_gpus`` GPUs."""
+    ``one`` (with its loads), each of ``replica_gpus`` GPUs; ``sparse``: that replica's
+    sparse prediction too (its loads the flat schedule's of the encoded bytes)."""
     assert one.loads is not None, "a reshard prediction carries its loads"
     nic, intra = cluster.nic_gb_per_s * 1e9, cluster.intra_gb_per_s * 1e9
     t_out = float(one.loads.nic_out.max(initial=0.0)) / nic
@@ -66,21 +77,32 @@ def fleet_point(one: Prediction, cluster: Cluster, replicas: int, replica_gpus: 
         1.0, domains * t_out / max(t_out, t_in, 1e-30))
     hop = (budget_bytes // 6) / nic + cluster.nic_latency_s + cluster.op_latency_s
     relay = max(t_out, t_in, fwd) + fill + latency + (domains - 1) * hop
-    return FleetPoint(replicas, domains, direct, relay, domains, 1)
+    if sparse is None:
+        return FleetPoint(replicas, domains, direct, relay, domains, 1)
+    assert sparse.loads is not None, "a sparse prediction carries its loads"
+    s_out = float(sparse.loads.nic_out.max(initial=0.0)) / nic
+    s_in = float(sparse.loads.nic_in.max(initial=0.0)) / nic
+    transfer = max(replicas * s_out, s_in, sparse.stages["transfer"])
+    sparse_s = sparse.stages["detect"] + transfer + sparse.stages["latency"] * max(
+        1.0, replicas * s_out / max(s_out, s_in, 1e-30))
+    copies = replicas * sparse.loads.network_bytes / copy if copy else 0.0
+    return FleetPoint(replicas, domains, direct, relay, domains, 1, sparse_s, copies)
 
 
 def fleet_curve(model, src: str, replica: str, cluster: Cluster | str,
                 replicas: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), *,
                 budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
-                dst_dtype: str | None = None) -> list[FleetPoint]:
+                dst_dtype: str | None = None, changed: float | None = None
+                ) -> list[FleetPoint]:
     """Plan and simulate one replica (``replica``: its parallel spec, e.g. ``tp8``) from
-    the trainer's ``src`` once, then every fleet size of ``replicas``."""
+    the trainer's ``src`` once, then every fleet size of ``replicas``; ``changed``: a
+    sparse refit's too (one engine dtype: not FP8, as ``reshard simulate --changed``)."""
     from reshard.sim.simulate import run_case
     from reshard.sim.specs import ParallelSpec
 
     cluster = get_cluster(cluster)
     case = run_case(model, src, replica, cluster, budget_bytes=budget_bytes,
-                    dst_dtype=dst_dtype, methods=("reshard",))
-    one = case["sim"].predictions["reshard"]
+                    dst_dtype=dst_dtype, methods=("reshard",), changed=changed)
+    one, sparse = case["sim"].predictions["reshard"], case["sim"].predictions.get("sparse")
     gpus = ParallelSpec.parse(replica).world_size
-    return [fleet_point(one, cluster, r, gpus, budget_bytes) for r in replicas]
+    return [fleet_point(one, cluster, r, gpus, budget_bytes, sparse) for r in replicas]
