@@ -17,23 +17,35 @@ first is a warm-up; the median of the rest is reported):
 * ``disk``: rank 0 writes safetensors shards (1 GiB, bf16, gathered tensor by tensor),
   then every engine worker runs vLLM's ``reload_weights`` over them (prime-rl's and
   AReaL's file modes);
-* vLLM 0.32's own weight-transfer backends: none runs on CPU (:data:`VLLM_BACKENDS`).
+* vLLM 0.32's own weight-transfer backends: none runs on CPU (:data:`VLLM_BACKENDS`);
+* ``reshard_sparse`` (not run unless named): reshard with ``sparse="on"`` (issue 39,
+  ``docs/sparse.md``). After a dense refit (the base), at each fraction of ``--changed``,
+  ``--repeats`` times: the trainer changes about that fraction of its bf16 values (each
+  element with that probability, by two bf16 ulps: ``sparse_refit.change``) before each of
+  a dense refit of the same sender (``dense=True``), an untimed sparse one, and the timed
+  sparse one; reported per fraction (``refit_real_report.sparse_table``): the trainer
+  ranks' wire bytes against the dense bytes they replaced, each refit's time before vLLM's
+  commit (the trainer's ``refit()``) and with it (the driver's wall clock), the detection.
 
 vLLM 0.32 CPU redoes MoE experts' pad + prepack only on a first load: its own reload
 leaves them unpacked under a kernel that reads them packed. The gather-and-broadcast and
 disk methods here get the work-around reshard's commit uses (``reset_moe_kernels``).
 
-Per model x method: refit seconds (driver wall clock, from the command to both jobs done),
-bytes each engine rank received, peak extra resident memory of trainer rank 0 and of each
-engine rank over the method's set-up and refits, and the floor (a bare exchange of exactly
-the bytes each engine rank needs, per rank pair, over reshard's gloo group, as ``reshard
-bench`` measures it). After each method the engine's fingerprint (every parameter as held,
-every packed CPU GEMM through its output; ``refit_real_engine.BenchExtension``) must equal
-that of vLLM's own reload of the trainer's state from disk at the same version (the disk
-method's own check reloads through gather-and-broadcast's ``load_weights``).
+Per model x method (reshard_sparse: per fraction, above): refit seconds (driver wall
+clock, from the command to both jobs done), bytes each engine rank received, peak extra
+resident memory of trainer rank 0 and of each engine rank over the method's set-up and
+refits, and the floor (a bare exchange of exactly the bytes each engine rank needs, per
+rank pair, over reshard's gloo group, as ``reshard bench`` measures it). After each method
+the engine's fingerprint (every parameter as held, every packed CPU GEMM through its
+output; ``refit_real_engine.BenchExtension``) must equal that of vLLM's own reload of the
+trainer's state from disk at the same version (the disk method's own check reloads
+through gather-and-broadcast's ``load_weights``; reshard_sparse's last refit, the one
+checked, is sparse).
 
     PYTHONPATH=src .venv/bin/python benchmarks/refit_real.py --models qwen3-0.6b \\
         --repeats 3 --out /tmp/refit_real
+    PYTHONPATH=src .venv/bin/python benchmarks/refit_real.py --models qwen3-0.6b \\
+        --methods reshard_sparse --changed 0.001,0.01,0.05,1 --repeats 2
     PYTHONPATH=src .venv/bin/python benchmarks/refit_real.py --plot /tmp/refit_real/results.json \\
         --png docs/refit_real.png
 """
@@ -50,7 +62,7 @@ from pathlib import Path
 
 from benchtools import MemoryWatch, available_bytes, write_json
 from refit_real_models import METHODS, MODELS, VLLM_BACKENDS, GiB, count_params, expected_peak_bytes
-from refit_real_report import breakdown, cpu_table, plot, table
+from refit_real_report import breakdown, cpu_table, plot, sparse_table, table
 from refit_real_run import Run
 from reshard.defaults import DEFAULT_COMMIT_HEAP_SLACK_BYTES, DEFAULT_REFIT_BUDGET_BYTES
 
@@ -61,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b,qwen2.5-1.5b,qwen3-moe-1.4b",
                     help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated, of {', '.join(METHODS)}, reshard_sparse")
+    ap.add_argument("--changed", default="0.01,1",
+                    help="reshard_sparse: the fractions of values changed before its refits")
     ap.add_argument("--repeats", type=int, default=3, help="timed refits per method (median)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/refit_real"))
     ap.add_argument("--plot", type=Path, help="only plot this results.json (with --png)")
@@ -82,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.plot:
         results = json.loads(a.plot.read_text())["results"]
-        print(table(results), "\n", breakdown(results), "\n", cpu_table(results), sep="\n")
+        print(*tables(results), sep="\n\n")
         if a.png:
             plot(results, a.png)
         return 0
@@ -110,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(name, a.repeats, a.out / name, watch)
         run.profile, run.budget = a.profile, a.budget_mib << 20
         run.heap_slack = None if a.heap_slack_mib < 0 else a.heap_slack_mib << 20
+        run.changed = [float(f) for f in a.changed.split(",")]
         try:
             results.append(run.run(a.methods.split(",")))
         finally:
@@ -119,11 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     header["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True
                                           ).stdout.strip()
     write_json(a.out / "results.json", {**header, "results": results})
-    print(table(results), "\n", breakdown(results), "\n", cpu_table(results), sep="\n")
+    print(*tables(results), sep="\n\n")
     print(f"load: start {header['uptime_start']}; end {header['uptime_end']}")
     if a.png:
         plot(results, a.png)
     return 0 if all(m["check"]["ok"] for r in results for m in r["methods"].values()) else 1
+
+
+def tables(results: list[dict]) -> list[str]:
+    """The tables of a run that have rows (those of methods that ran): each method's,
+    reshard's breakdown, CPU, reshard_sparse's."""
+    out = [table(results), breakdown(results), cpu_table(results), sparse_table(results)]
+    return [t for t in out if t.count("\n") > 1]  # more than the header and its rule
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from benchtools import median, pyplot
@@ -17,6 +18,8 @@ def table(results: list[dict]) -> str:
         ms = r["methods"]
         base = ms.get("reshard", {}).get("median")
         for name, m in ms.items():
+            if "median" not in m:  # reshard_sparse: its own table (sparse_table)
+                continue
             ratio = f"{m['median'] / base:.2f}x" if base else "-"
             rows.append(
                 f"| {r['model']} | {r['params'] / 1e9:.2f}B | {name} | {m['median']:.3f} s "
@@ -48,6 +51,54 @@ def breakdown(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def sparse_table(results: list[dict]) -> str:
+    """reshard_sparse, per fraction changed: the trainer ranks' wire bytes against the
+    dense bytes they replaced; the sparse and dense refits' seconds before vLLM's commit
+    (the slower trainer rank's ``refit()``: detection, encoding, the wire, the engine's
+    applying into its staging; a dense refit's keeping of the sender's copy left out and
+    shown as "copy s", as ``sparse_refit.py`` does) and with it (the driver's wall clock,
+    as the other methods); the slower trainer rank's detection, the slower engine rank's
+    decoding and applying, vLLM's commit (the slower engine rank's). Medians."""
+    rows = ["| model | changed (measured) | sparse bytes | dense bytes | bytes ratio "
+            "| sparse s before commit | dense s before commit | ratio "
+            "| sparse s with commit | dense s with commit | ratio | detect s | apply s "
+            "| commit s: sparse / dense | copy s | encodings (regions) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r["methods"].get("reshard_sparse")
+        for row in m["changed"] if m else ():
+            sp, de = row["sparse"], row["dense"]
+            last = [t["sparse"] for t in sp[-1]["trainer"]]
+            sent = median([sum(t["sent"] for t in d["trainer"]) for d in sp])
+            dense = sum(t["dense_bytes"] for t in last)
+            measured = sum(t["changed"] for t in last) / sum(t["elements"] for t in last)
+            before = (_slowest(sp, "trainer", lambda t: t["transfer_seconds"]),
+                      _slowest(de, "trainer", lambda t: t["transfer_seconds"]
+                               - t["copy_seconds"]))
+            wall = (median([d["seconds"] for d in sp]), median([d["seconds"] for d in de]))
+            enc: dict[str, int] = {}
+            for t in last:
+                for k, v in t["regions_by_encoding"].items():
+                    enc[k] = enc.get(k, 0) + v
+            rows.append(
+                f"| {r['model']} | {row['changed']:.1%} ({measured:.2%}) | {_mb(sent, 2)} "
+                f"| {_mb(dense, 1)} | {sent / dense:.3f}x | {before[0]:.3f} | {before[1]:.3f} "
+                f"| {before[0] / before[1]:.2f}x | {wall[0]:.3f} | {wall[1]:.3f} "
+                f"| {wall[0] / wall[1]:.2f}x "
+                f"| {_slowest(sp, 'trainer', lambda t: t['sparse']['seconds']):.3f} "
+                f"| {_slowest(sp, 'engine', lambda e: e['sparse']['seconds']):.3f} "
+                f"| {_slowest(sp, 'engine', lambda e: e['commit_seconds']):.3f} / "
+                f"{_slowest(de, 'engine', lambda e: e['commit_seconds']):.3f} "
+                f"| {_slowest(de, 'trainer', lambda t: t['copy_seconds']):.3f} "
+                f"| {', '.join(f'{k} {v}' for k, v in sorted(enc.items()))} |")
+    return "\n".join(rows)
+
+
+def _slowest(refits: list[dict], side: str, value: Callable[[dict], float]) -> float:
+    """The median over ``refits`` of the slowest rank's ``value`` on ``side``."""
+    return median([max(value(x) for x in d[side]) for d in refits])
+
+
 #: The roles of :func:`_role`, in the CPU table's order.
 ROLES = ("trainer ranks", "engine workers", "engine core", "driver")
 
@@ -76,8 +127,8 @@ def cpu_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB"
+def _mb(n: float, digits: int = 0) -> str:
+    return f"{n / 1e6:,.{digits}f} MB"
 
 
 def plot(results: list[dict], png: Path) -> None:

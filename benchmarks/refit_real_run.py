@@ -52,6 +52,7 @@ class Run:
         self.budget = DEFAULT_REFIT_BUDGET_BYTES  # reshard's staging budget (--budget-mib)
         # the freed heap a commit keeps resident (--heap-slack-mib; None: all of it)
         self.heap_slack: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+        self.changed = [0.01, 1.0]  # reshard_sparse's fractions of values changed (--changed)
         self.kind, self.cfg = MODELS[name]
         self.free_port = free_port
         t0 = time.perf_counter()
@@ -102,21 +103,25 @@ class Run:
         return cpu_medians(spent)
 
     # -- methods -------------------------------------------------------------------------
-    def reshard(self, before: list[dict]) -> dict[str, Any]:
+    def meet(self, sparse: str) -> tuple[float, list[dict]]:
+        """Meet the engine (RefitSender's ``sparse`` mode): the seconds, each rank's info."""
         port = self.free_port()
         t0 = time.perf_counter()
-        self.trainer.send("reshard_init", port, 2, self.budget)
+        self.trainer.send("reshard_init", port, 2, self.budget, sparse)
         infos = self.collective("reshard_init", "127.0.0.1", port, 2, timeout_s=600.0,
                                 budget_bytes=self.budget, heap_slack_bytes=self.heap_slack)
         self.trainer.wait("reshard_init")
-        init_s = time.perf_counter() - t0
+        return time.perf_counter() - t0, infos
 
-        def refit(version: int) -> dict:
-            self.trainer.send("reshard", version)
-            engine = self.collective("reshard_refit")
-            return {"engine": engine, "trainer": self.trainer.wait("reshard")}
+    def refit(self, version: int, dense: bool = False) -> dict:
+        """One refit: the trainer's send and the engine's receive and commit at once."""
+        self.trainer.send("reshard", version, dense)
+        engine = self.collective("reshard_refit")
+        return {"engine": engine, "trainer": self.trainer.wait("reshard")}
 
-        seconds, details = self.timed(refit)
+    def reshard(self, before: list[dict]) -> dict[str, Any]:
+        init_s, infos = self.meet("off")
+        seconds, details = self.timed(self.refit)
         if self.profile:
             self.version += 1
             self.trainer.send("reshard_profile", self.version)
@@ -145,6 +150,48 @@ class Run:
         out.update(self.mem_peaks())
         out["check"] = self.check(before)
         out["floor"] = self.floor()
+        self.trainer.call("reshard_close")
+        self.collective("reshard_close")
+        return out
+
+    def reshard_sparse(self, before: list[dict]) -> dict[str, Any]:
+        """Sparse refits (``sparse="on"``) against dense ones of the same sender, in turn,
+        at each fraction of ``self.changed``: before each refit the trainer changes about
+        that fraction of its values (``sparse_refit.change``). After a first dense refit
+        (every weight changed: the base), each repeat is a dense refit, an untimed sparse
+        one, then the timed sparse one (which so follows a sparse refit, as in an RL
+        loop); the last refit is sparse, and so is the state checked."""
+        init_s, infos = self.meet("on")
+        self.version += 1
+        self.trainer.call("perturb")
+        self.refit(self.version)
+        rows = []
+        for fraction in self.changed:
+            row: dict[str, Any] = {"changed": fraction, "sparse": [], "dense": []}
+            for _ in range(self.repeats):
+                for kind in ("dense", "lead", "sparse"):
+                    self.version += 1
+                    self.trainer.call("change", fraction)
+                    t0 = time.perf_counter()
+                    detail = self.refit(self.version, dense=kind == "dense")
+                    detail["seconds"] = time.perf_counter() - t0
+                    if kind == "sparse" and any(t["sparse"] is None for t in detail["trainer"]):
+                        raise RuntimeError(f"refit {self.version} was to be sparse: "
+                                           f"{detail['trainer']}")
+                    if kind != "lead":
+                        row[kind].append(detail)
+            rows.append(row)
+            print(f"[{self.name}] reshard_sparse at {fraction:g}: sparse "
+                  f"{median([d['seconds'] for d in row['sparse']]):.3f} s, dense "
+                  f"{median([d['seconds'] for d in row['dense']]):.3f} s (with vLLM's "
+                  "commit)", flush=True)
+        out = {"changed": rows, "init_seconds": init_s, "budget_bytes": self.budget,
+               "state_bytes": [t["state_bytes"] for t in rows[-1]["sparse"][-1]["trainer"]],
+               "shadow_bytes": [i["shadow_bytes"] for i in infos],
+               "bytes_received": [e["bytes_received"]
+                                  for e in rows[-1]["sparse"][-1]["engine"]]}
+        out.update(self.mem_peaks())
+        out["check"] = self.check(before)
         self.trainer.call("reshard_close")
         self.collective("reshard_close")
         return out
@@ -234,7 +281,6 @@ class Run:
             self.watch.take()
             self.mem_start()
             out = getattr(self, method)(before)
-            out["median"] = median(out["seconds"])
             out.setdefault("cpu_seconds", self.cpu_medians())
             out["load"] = load_avg()
             out["tree_peak_rss"] = self.watch.take()
@@ -242,9 +288,13 @@ class Run:
                 self.trainer.call("gb_close")
                 self.collective("bench_gb_close")
             self.result["methods"][method] = out
-            print(f"[{self.name}] {method}: {out['median']:.3f} s (median of "
-                  f"{len(out['seconds'])}), received {out['bytes_received']} B, check "
-                  f"{'OK' if out['check']['ok'] else 'FAIL'}, load {out['load']}", flush=True)
+            timing = "per fraction above"  # reshard_sparse: no one time
+            if "seconds" in out:
+                out["median"] = median(out["seconds"])
+                timing = f"{out['median']:.3f} s (median of {len(out['seconds'])})"
+            print(f"[{self.name}] {method}: {timing}, received {out['bytes_received']} B, "
+                  f"check {'OK' if out['check']['ok'] else 'FAIL'}, load {out['load']}",
+                  flush=True)
         return self.result
 
     def close(self) -> None:

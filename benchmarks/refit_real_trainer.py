@@ -1,6 +1,7 @@
 """The trainer side of ``benchmarks/refit_real.py``: an FSDP2 model of random float32
-values, its 2 ranks in processes of their own driven by commands (reshard's refit,
-gather-and-broadcast, safetensors for the disk method, the floor, memory).
+values, its 2 ranks in processes of their own driven by commands (reshard's refit, dense
+or sparse, gather-and-broadcast, safetensors for the disk method, the floor, memory, the
+"optimizer steps": every weight changed, or a given fraction of them).
 """
 
 from __future__ import annotations
@@ -127,11 +128,14 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
         rss_bytes,
     )
     from reshard.refit import RefitSender
+    from reshard.refit.sparse import sparse_summary
     from reshard.tools.bench import floor_runner
+    from sparse_refit import change
 
     t0 = time.perf_counter()
     model = build_model(kind, cfg)
     params, layouts = hf.refit_params(model)
+    g = torch.Generator().manual_seed(rank)  # which elements "change" picks, per rank
     replies.put(("ready", rank, {"seconds": time.perf_counter() - t0,
                                  "params": sum(p.numel() for p in params.values()),
                                  "meta": checkpoint_meta(params, kind) if rank == 0 else None,
@@ -153,14 +157,23 @@ def trainer(rank: int, world: int, kind: str, cfg: dict, commands: list, replies
             with torch.no_grad():
                 for p in params.values():
                     (p.to_local() if hasattr(p, "to_local") else p).mul_(1 + 2 ** -6)
-        elif cmd == "reshard_init":
+        elif cmd == "change":  # a step that changes about args[0] of the bf16 values
+            with torch.no_grad():  # (the shards; no replicated plain tensor in these models)
+                change({n: p.to_local() for n, p in params.items() if hasattr(p, "to_local")},
+                       args[0], g)
+        elif cmd == "reshard_init":  # args[3]: RefitSender's sparse mode
             sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=args[0],
                                  rank=rank, trainer_size=world, inference_size=args[1],
-                                 budget_bytes=args[2])
-        elif cmd == "reshard":
-            stats = sender.refit(args[0])
+                                 budget_bytes=args[2], sparse=args[3])
+        elif cmd == "reshard":  # args[1]: dense whatever the sparse mode
+            stats = sender.refit(args[0], dense=args[1])
+            kept = stats.sparse  # None with sparse="off"
             out.update(sent=stats.bytes_sent, transfer_seconds=stats.seconds,
-                       staging=stats.peak_staging_bytes)
+                       staging=stats.peak_staging_bytes, sparse=sparse_summary(kept),
+                       # the sender's copy: its bytes, and a dense refit's keeping of it
+                       # (within transfer_seconds)
+                       state_bytes=kept.state_bytes if kept else 0,
+                       copy_seconds=kept.copy_seconds if kept else 0.0)
         elif cmd == "reshard_profile":
             out["profile"] = profiled(functools.partial(sender.refit, args[0]), 30)
         elif cmd == "floor":
