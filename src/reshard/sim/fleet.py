@@ -73,8 +73,7 @@ def fleet_point(one: Prediction, cluster: Cluster, replicas: int, replica_gpus: 
     fwd = max(one.stages.get("forward", 0.0),
               (per_domain - 1) * copy / replica_gpus / intra)
     fill, latency = one.stages.get("pipeline_fill", 0.0), one.stages.get("latency", 0.0)
-    direct = max(domains * t_out, t_in, fwd) + fill + latency * max(
-        1.0, domains * t_out / max(t_out, t_in, 1e-30))
+    direct = _fed_directly(t_out, t_in, domains, fwd, latency) + fill
     hop = (budget_bytes // 6) / nic + cluster.nic_latency_s + cluster.op_latency_s
     relay = max(t_out, t_in, fwd) + fill + latency + (domains - 1) * hop
     if sparse is None:
@@ -82,11 +81,19 @@ def fleet_point(one: Prediction, cluster: Cluster, replicas: int, replica_gpus: 
     assert sparse.loads is not None, "a sparse prediction carries its loads"
     s_out = float(sparse.loads.nic_out.max(initial=0.0)) / nic
     s_in = float(sparse.loads.nic_in.max(initial=0.0)) / nic
-    transfer = max(replicas * s_out, s_in, sparse.stages["transfer"])
-    sparse_s = sparse.stages["detect"] + transfer + sparse.stages["latency"] * max(
-        1.0, replicas * s_out / max(s_out, s_in, 1e-30))
+    sparse_s = sparse.stages["detect"] + _fed_directly(
+        s_out, s_in, replicas, sparse.stages["transfer"], sparse.stages["latency"])
     copies = replicas * sparse.loads.network_bytes / copy if copy else 0.0
     return FleetPoint(replicas, domains, direct, relay, domains, 1, sparse_s, copies)
+
+
+def _fed_directly(t_out: float, t_in: float, copies: int, floor: float,
+                  latency: float) -> float:
+    """Seconds of ``copies`` copies sent straight from the trainer's NICs (``t_out`` each,
+    ``t_in`` into one receiver, at least ``floor``), its rounds' ``latency`` growing with
+    the trainer's share of the time."""
+    return max(copies * t_out, t_in, floor) + latency * max(
+        1.0, copies * t_out / max(t_out, t_in, 1e-30))
 
 
 def fleet_curve(model, src: str, replica: str, cluster: Cluster | str,
