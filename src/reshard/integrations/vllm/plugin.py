@@ -52,6 +52,9 @@ serving as it was. With the ``reshard`` backend the workers never raise: the eng
 asks them how the call went (:func:`reshard.integrations.vllm.worker.outcome`) and
 raises there, naming the ranks and the cause. And it registers the ``reshard`` backend
 in vLLM's weight-transfer registries (worker and trainer side) in every process.
+
+Last, an engine started with ``$RESHARD_PEERS`` fills itself from those live peers as it
+starts, before it serves (:mod:`reshard.integrations.vllm.join`).
 """
 
 from __future__ import annotations
@@ -263,5 +266,9 @@ def load() -> None:
 
     if not getattr(EngineCore.collective_rpc, "__reshard_wrapped__", False):
         EngineCore.collective_rpc = _wrap(EngineCore.collective_rpc)
+    if not getattr(EngineCore._initialize_kv_caches, "__reshard_wrapped__", False):
+        from reshard.integrations.vllm.join import wrap
+
+        EngineCore._initialize_kv_caches = wrap(EngineCore._initialize_kv_caches)
     _register_backends()
     _LOADED = True

@@ -350,9 +350,11 @@ class ReshardState(Commit, Checks, Peers):
         return kept + max(per_module.values(), default=0)
 
     def status(self) -> dict[str, Any]:
-        """The live version and whether the weights may be torn (``stale``: a refit with
-        ``staging="none"`` failed midway; the next complete refit clears it)."""
-        return {"rank": self.rank, "version": self.version, "stale": self.stale}
+        """The live version, whether the weights may be torn (``stale``: a refit with
+        ``staging="none"`` failed midway; the next complete refit clears it) and whether
+        this rank can lend them to a new engine (``lendable``: its last refit committed)."""
+        return {"rank": self.rank, "version": self.version, "stale": self.stale,
+                "lendable": self.whole}
 
     def receive(self, go_live: bool = True, prepare: bool = False) -> dict[str, Any]:
         """RefitReceiver.refit() into the logical buffers; raises on failure (nothing

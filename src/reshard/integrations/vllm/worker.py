@@ -108,6 +108,7 @@ class ReshardWorkerExtension:
         version and weights (only ``token`` is read of the options)."""
         state = getattr(self, "_reshard", None)
         if state is not None and state.bootstrapped and state.version != NO_VERSION:
+            _filled.state = None
             return state.meet_trainer(host, port, trainer_size, token)
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
@@ -138,7 +139,9 @@ class ReshardWorkerExtension:
             inference_size=self.vllm_config.parallel_config.world_size, host=host,
             port=port, trainer_size=0, budget_bytes=budget_bytes, timeout_s=timeout_s,
             token=token, heap_slack_bytes=heap_slack_bytes, bootstrap=num_peers)
-        return self._reshard.refit()
+        result = self._reshard.refit()
+        _filled.state = self._reshard if result.get("committed") else None
+        return result
 
     @_reported
     def reshard_lend(self, host: str, port: int, peer: int) -> dict[str, Any]:
@@ -166,8 +169,9 @@ class ReshardWorkerExtension:
 
     @_reported
     def reshard_status(self) -> dict[str, Any]:
-        """{rank, version, stale}: ``stale`` while the live weights may be torn (a refit
-        with ``staging="none"`` failed midway), until a complete refit lands."""
+        """{rank, version, stale, lendable}: ``stale`` while the live weights may be torn
+        (a refit with ``staging="none"`` failed midway), until a complete refit lands;
+        ``lendable`` once a refit (or bootstrap) committed, until the next one begins."""
         return self._reshard_state().status()
 
     @_reported
@@ -295,6 +299,31 @@ def parse_fields(cls: type, info: Any, method: str) -> Any:
         raise ConfigError(f"{method}: {e} (nothing was changed)") from None
 
 
+class _Filled:
+    """On this worker: the state a bootstrap filled, not yet met by a trainer (the
+    extension's, which the backend's init adopts)."""
+
+    state: ReshardState | None = None
+
+
+_filled = _Filled()
+
+
+def adopt_filled(init_info: ReshardInitInfo) -> ReshardState | None:
+    """The state a bootstrap filled on this rank, met with the trainer of ``init_info``
+    (its version and weights kept), or None: none was filled, or it was staged otherwise
+    than ``init_info`` asks (then a new state, its first refit dense)."""
+    state, _filled.state = _filled.state, None
+    if (state is None or not state.bootstrapped or state.version == NO_VERSION
+            or state.staging != init_info.staging):
+        return None
+    state.budget_bytes, state.timeout_s = init_info.budget_bytes, init_info.timeout_s
+    state.heap_slack_bytes = check_heap_slack(init_info.heap_slack_bytes)
+    state.meet_trainer(init_info.master_address, init_info.master_port,
+                       init_info.trainer_size, init_info.token)
+    return state
+
+
 def outcome(worker: Any) -> dict[str, Any] | None:
     """Run on every worker by the engine core (the plugin) after a protocol call: how
     this rank's reshard backend fared (``None`` where another backend is configured)."""
@@ -339,7 +368,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         pc = self.parallel_config
         self.outcome = {"ok": True, "rank": pc.rank}
         try:
-            self.state = ReshardState(
+            self.state = adopt_filled(init_info) or ReshardState(
                 self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
                 host=init_info.master_address, port=init_info.master_port,
                 trainer_size=init_info.trainer_size, staging=init_info.staging,
