@@ -102,7 +102,9 @@ def one_fleet(a: argparse.Namespace, replicas: int, tp: int) -> list[dict]:
 
     nodes = node_of_rank(replicas, tp)
     _, model_bytes = build(a.model_bytes, replicas, tp)
-    with EmulatedCluster(1 + replicas, rate_mbit=a.link_mbit, prefix="rfl") as cluster:
+    with EmulatedCluster(1 + replicas, rate_mbit=a.link_mbit, prefix="rfl",
+                         queue_ms=a.queue_ms, link=a.link,
+                         congestion=a.congestion) as cluster:
         names = {r: cluster.ns_name(n) for r, n in nodes.items()}
         per_rank = run_processes(worker, len(nodes), a, replicas, tp, timeout=a.timeout,
                                  setup=partial(enter_rank_namespace, names, None),
@@ -137,6 +139,12 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--model-mib", type=float, default=8.0)
     ap.add_argument("--link-mbit", type=float, default=200.0)
+    ap.add_argument("--link", default="tbf", choices=("tbf", "ack-first"),
+                    help="how each link queues (reshard.tools.netns.LINKS)")
+    ap.add_argument("--congestion", default=None,
+                    help="TCP congestion control inside the nodes (default: the host's)")
+    ap.add_argument("--queue-ms", type=float, default=50.0,
+                    help="each link's queue, in milliseconds of traffic (tbf's latency)")
     ap.add_argument("--budget-mib", type=float, default=2.0,
                     help="staging budget per rank and round (network chunks: a sixth)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -103,6 +103,55 @@ def test_cleanup_on_exception() -> None:
     cluster.close()  # idempotent
 
 
+_SINK = """
+import socket, sys, time
+s = socket.create_server(("0.0.0.0", 29512))
+c, _ = s.accept()
+n, t0 = 0, None
+while chunk := c.recv(1 << 16):
+    t0 = t0 or time.monotonic()
+    n += len(chunk)
+print(n, time.monotonic() - t0)
+"""
+_SOURCE = """
+import socket, sys, time
+for _ in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], 29512)); break
+    except OSError:
+        time.sleep(0.05)
+c.sendall(bytes(int(sys.argv[2])))
+c.close()
+"""
+
+
+def test_an_ack_first_link_with_reno_shapes_and_carries() -> None:
+    """``link="ack-first"`` and ``congestion="reno"`` (the fleet benchmark's other link
+    models): the filter that puts pure acknowledgements first is in place, the nodes run
+    reno, and a TCP stream crosses at the link's rate, whole."""
+    _require_netns()
+    nbytes, rate = 3 << 20, 100.0
+    with EmulatedCluster(2, rate_mbit=rate, link="ack-first", congestion="reno") as cluster:
+        show = subprocess.run(["tc", "-n", cluster.ns_name(1), "filter", "show", "dev",
+                               cluster.iface], capture_output=True, text=True).stdout
+        assert "flowid 1:10" in show and "match 00100000/00ff0000 at 32" in show, show
+        cc = subprocess.run(cluster.command(1, ["sysctl", "-n",
+                                                "net.ipv4.tcp_congestion_control"]),
+                            capture_output=True, text=True).stdout.strip()
+        assert cc == "reno"
+        sink = cluster.popen(0, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE,
+                             text=True)
+        source = cluster.popen(1, [sys.executable, "-c", _SOURCE, cluster.node_addr(0),
+                                   str(nbytes)])
+        assert source.wait(30) == 0
+        got, seconds = sink.communicate(timeout=30)[0].split()
+    assert int(got) == nbytes
+    mbit = nbytes * 8 / 1e6 / float(seconds)
+    assert mbit < 1.3 * rate, (mbit, seconds)  # shaped: not faster than the link
+    with pytest.raises(Exception, match="link must be one of"):
+        EmulatedCluster(1, link="fq")
+
+
 CARD_BYTES = 4 << 20
 
 

@@ -99,6 +99,10 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
+#: How a node link queues (``EmulatedCluster(link=...)``).
+LINKS = ("tbf", "ack-first")
+
+
 class EmulatedCluster:
     """``num_nodes`` network namespaces joined by a rate-limited bridge.
 
@@ -114,6 +118,15 @@ class EmulatedCluster:
     nodes crosses two shaped veth links and the bridge (``rate_mbit`` each way).
     With ``nics_per_node=n``, card ``j`` of node ``i`` is :meth:`nic_name` ``(j)``
     with address :meth:`nic_addr` ``(i, j)``, each card shaped to ``rate_mbit``.
+    ``queue_ms``: the longest a packet waits in a link's queue (tbf's ``latency``: the
+    queue holds that many milliseconds of traffic at the rate; more is dropped).
+    ``link``: how a link queues (:data:`LINKS`): ``"tbf"``, one FIFO for everything a
+    node sends (the acknowledgements of what it receives wait behind its own data);
+    ``"ack-first"``, the same rate and queue, but pure TCP acknowledgements go ahead of
+    the data (``htb`` with two classes and a ``u32`` filter), as on a NIC whose
+    acknowledgements do not queue behind bulk traffic.
+    ``congestion``: the TCP congestion control inside every node (one of the host's
+    ``net.ipv4.tcp_allowed_congestion_control``); by default the host's own.
     """
 
     iface = "eth0"
@@ -127,14 +140,20 @@ class EmulatedCluster:
         delay_ms: float = 0.0,
         prefix: str = "rsh",
         nics_per_node: int = 1,
+        queue_ms: float = 50.0,
+        link: str = "tbf",
+        congestion: str | None = None,
     ) -> None:
         if not 1 <= num_nodes <= 250:
             raise ConfigError(f"num_nodes must be in [1, 250], got {num_nodes}")
         if nics_per_node < 1 or num_nodes * nics_per_node > 250:
             raise ConfigError(f"need nics_per_node >= 1 and at most 250 cards in all, got "
                              f"{nics_per_node} per node on {num_nodes} nodes")
-        if rate_mbit <= 0 or delay_ms < 0:
-            raise ConfigError(f"need rate_mbit > 0 and delay_ms >= 0, got {rate_mbit}, {delay_ms}")
+        if link not in LINKS:
+            raise ConfigError(f"link must be one of {LINKS}, got {link!r}")
+        if rate_mbit <= 0 or delay_ms < 0 or queue_ms <= 0:
+            raise ConfigError(f"need rate_mbit > 0, delay_ms >= 0 and queue_ms > 0, got "
+                              f"{rate_mbit}, {delay_ms}, {queue_ms}")
         pid = os.getpid()
         tag = f"{prefix}{pid}{chr(ord('a') + next(_instances) % 26)}"
         longest = f"v{num_nodes - 1}" + (f"n{nics_per_node - 1}" if nics_per_node > 1 else "")
@@ -144,6 +163,8 @@ class EmulatedCluster:
         self.nics_per_node = nics_per_node
         self.rate_mbit = float(rate_mbit)
         self.delay_ms = float(delay_ms)
+        self.queue_ms = float(queue_ms)
+        self.link, self.congestion = link, congestion
         self._tag = tag
         self._subnet = f"10.213.{pid % 256}"
         self._bridge = f"{tag}br"
@@ -212,11 +233,39 @@ class EmulatedCluster:
         rate_bytes = self.rate_mbit * 1e6 / 8
         # Burst of ~4 ms of traffic, at least 64 KiB + MTU so one GSO skb always fits.
         burst = max(int(rate_bytes * 0.004), 66_000)
+        if self.link == "ack-first":
+            self._shape_ack_first(prefix, dev, rate_bytes, burst)
+            return
         _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "50ms")
+             "rate", f"{self.rate_mbit}mbit", "burst", str(burst),
+             "latency", f"{self.queue_ms:g}ms")
         if self.delay_ms > 0:
             _run(*prefix, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                  "netem", "delay", f"{self.delay_ms}ms")
+
+    def _shape_ack_first(self, prefix: Sequence[str], dev: str, rate_bytes: float,
+                         burst: int) -> None:
+        """The link's rate shared by two classes: pure TCP acknowledgements (IPv4, no
+        IP options, under 64 bytes, the ACK flag alone) first, everything else after,
+        in a FIFO of ``queue_ms`` of traffic."""
+        tc = (*prefix, "tc")
+        rate, quantum = f"{self.rate_mbit}mbit", "1514"
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", rate, "burst", str(burst), "cburst", str(burst), "quantum", quantum)
+        for cls, share, prio in (("1:10", 0.05, "0"), ("1:20", 0.95, "1")):
+            _run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
+                 "rate", f"{self.rate_mbit * share:g}mbit", "ceil", rate, "prio", prio,
+                 "burst", str(burst), "cburst", str(burst), "quantum", quantum)
+        _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f",
+             "at", "0", "match", "u16", "0x0000", "0xffc0", "at", "2", "match", "u8", "0x10",
+             "0xff", "at", "33", "flowid", "1:10")
+        limit = max(int(rate_bytes * self.queue_ms / 1000), 2 * burst)
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo",
+             "limit", str(limit))
+        if self.delay_ms > 0:
+            raise ConfigError("link='ack-first' has no netem delay (delay_ms=0)")
 
     def _setup(self) -> None:
         _run("ip", "link", "add", self._bridge, "type", "bridge")
@@ -227,6 +276,9 @@ class EmulatedCluster:
             in_ns = ("ip", "netns", "exec", ns)
             _run("ip", "netns", "add", ns)
             _run(*in_ns, "ip", "link", "set", "lo", "up")
+            if self.congestion:  # this namespace's own setting; the host's is untouched
+                _run(*in_ns, "sysctl", "-qw",
+                     f"net.ipv4.tcp_congestion_control={self.congestion}")
             if several:  # each card answers ARP for its own address only; no reverse-path
                 # filter (replies to a card's address may come in on another card)
                 _run(*in_ns, "sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=1",
