@@ -42,6 +42,9 @@ def test_rl_demo_with_a_megatron_tp2_pp2_trainer_verifies_every_step(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     out = proc.stdout
+    # the whole run kept beside the test's files, for a failure's diagnosis
+    (tmp_path / "demo.out").write_text(out)
+    (tmp_path / "demo.err").write_text(proc.stderr)
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert re.search(r"Megatron-Core \(pp2,tp2, 4 ranks\) built its model", out), out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
@@ -62,4 +65,4 @@ def test_rl_demo_with_a_megatron_tp2_pp2_trainer_verifies_every_step(tmp_path):
     noise = [line for line in (out + proc.stderr).splitlines()
              if re.search(r"Traceback|WARNING|Warning\b|DEPRECATED|force kill|it/s\]"
                           r"|did not exit within", line)]
-    assert not noise, noise
+    assert not noise, "\n".join(noise) + f"\n(the run in {tmp_path}/demo.out, demo.err)"
