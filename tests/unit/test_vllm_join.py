@@ -98,3 +98,24 @@ def test_a_peer_without_its_rl_routes_is_named_with_the_cure():
         peer.close()
     with pytest.raises(ReshardError, match="reshard_status failed"):
         join.fill_from_peers(None, _never, [peer.url], "127.0.0.1", 1)  # gone
+
+
+class _Config:
+    """The one field of a ``VllmConfig`` the hook reads."""
+
+    def __init__(self, dp: int) -> None:
+        self.parallel_config = type("P", (), {"data_parallel_size": dp})()
+
+
+def test_the_hook_does_nothing_without_peers_and_refuses_data_parallel(monkeypatch):
+    """``EngineCore._initialize_kv_caches`` wrapped: without ``$RESHARD_PEERS`` the
+    original's result and nothing else; with peers and two engine cores in one server, a
+    refusal naming the setting before any peer is asked."""
+    calls = []
+    hook = join.wrap(lambda core, cfg: calls.append(cfg) or "kv caches")
+    monkeypatch.delenv(join.PEERS_ENV, raising=False)
+    assert hook(object(), _Config(1)) == "kv caches" and len(calls) == 1
+    monkeypatch.setenv(join.PEERS_ENV, "http://127.0.0.1:9")  # nobody listens
+    with pytest.raises(ConfigError, match="data_parallel_size=2 .*one server per replica"):
+        hook(object(), _Config(2))
+    assert hook.__reshard_wrapped__

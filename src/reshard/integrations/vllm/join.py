@@ -55,7 +55,8 @@ from reshard.errors import ConfigError, ReshardError
 __all__ = ["ADDRESS_ENV", "PEERS_ENV", "ask", "fill_from_peers", "meeting_address", "peers",
            "wrap"]
 
-log = logging.getLogger("reshard.vllm")
+#: under vLLM's own logger: the engine core's log shows the fill beside vLLM's start
+log = logging.getLogger("vllm.reshard.join")
 
 PEERS_ENV = "RESHARD_PEERS"
 ADDRESS_ENV = "RESHARD_PEERS_MEET"
@@ -171,6 +172,12 @@ def wrap(original: Any) -> Any:
         out = original(self, vllm_config)
         urls = peers()
         if urls:
+            if vllm_config.parallel_config.data_parallel_size > 1:
+                raise ConfigError(
+                    f"{PEERS_ENV}: a server with data_parallel_size="
+                    f"{vllm_config.parallel_config.data_parallel_size} would ask its peers "
+                    "to lend once per engine core, and a peer lends to one engine at a "
+                    "time; start one server per replica (data_parallel_size=1)")
             from reshard.integrations.vllm.internals import replies_asleep
 
             rpc = getattr(type(self).collective_rpc, "__wrapped__", type(self).collective_rpc)
