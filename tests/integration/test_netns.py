@@ -150,6 +150,8 @@ def test_an_ack_first_link_with_reno_shapes_and_carries() -> None:
     assert mbit < 1.3 * rate, (mbit, seconds)  # shaped: not faster than the link
     with pytest.raises(Exception, match="link must be one of"):
         EmulatedCluster(1, link="fq")
+    with pytest.raises(Exception, match="no netem delay"):  # refused before it builds
+        EmulatedCluster(1, link="ack-first", delay_ms=5)
 
 
 CARD_BYTES = 4 << 20

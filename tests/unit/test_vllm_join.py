@@ -119,3 +119,19 @@ def test_the_hook_does_nothing_without_peers_and_refuses_data_parallel(monkeypat
     with pytest.raises(ConfigError, match="data_parallel_size=2 .*one server per replica"):
         hook(object(), _Config(2))
     assert hook.__reshard_wrapped__
+
+
+def test_a_peer_refusing_to_lend_stops_the_start_before_the_bootstrap():
+    """A peer whose status was whole but whose lend call failed (its state gone between
+    the two calls) would never come to the meeting: the start stops at once, naming it."""
+    status = {"reshard_status": [{"rank": 0, "version": 3, "stale": False,
+                                  "lendable": True}],
+              "reshard_lend": [{"ok": False, "raised": "ReshardError",
+                                "error": "ReshardError: call reshard_init first"}]}
+    peer = Peer(status)
+    try:
+        with pytest.raises(ReshardError, match="refused to lend: .*reshard_init first"):
+            join.fill_from_peers(None, _never, [peer.url], "127.0.0.1", 1)
+        assert peer.calls == ["reshard_status", "reshard_lend"]
+    finally:
+        peer.close()

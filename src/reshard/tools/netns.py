@@ -151,6 +151,8 @@ class EmulatedCluster:
                              f"{nics_per_node} per node on {num_nodes} nodes")
         if link not in LINKS:
             raise ConfigError(f"link must be one of {LINKS}, got {link!r}")
+        if link == "ack-first" and delay_ms > 0:
+            raise ConfigError("link='ack-first' has no netem delay: use delay_ms=0")
         if rate_mbit <= 0 or delay_ms < 0 or queue_ms <= 0:
             raise ConfigError(f"need rate_mbit > 0, delay_ms >= 0 and queue_ms > 0, got "
                               f"{rate_mbit}, {delay_ms}, {queue_ms}")
@@ -264,8 +266,6 @@ class EmulatedCluster:
         limit = max(int(rate_bytes * self.queue_ms / 1000), 2 * burst)
         _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo",
              "limit", str(limit))
-        if self.delay_ms > 0:
-            raise ConfigError("link='ack-first' has no netem delay (delay_ms=0)")
 
     def _setup(self) -> None:
         _run("ip", "link", "add", self._bridge, "type", "bridge")

@@ -144,7 +144,11 @@ def fill_from_peers(core: Any, rpc: Any, urls: list[str], host: str, port: int
     log.info("reshard: filling this engine from %d peer(s) %s, meeting at %s:%d",
              len(urls), urls, host, port)
     for i, url in enumerate(urls):
-        ask(url, "reshard_lend", host, port, i)
+        refused = [r for r in ask(url, "reshard_lend", host, port, i)
+                   if not (isinstance(r, dict) and r.get("ok", True))]
+        if refused:  # it would never come to the meeting: say so now, not at its deadline
+            raise ReshardError(f"peer {url} refused to lend: {refused[0]}; the peers asked "
+                               "before it give up at their meeting's deadline")
     results = rpc(core, "reshard_bootstrap", None, (host, port, len(urls)), {})
     lent = {url: ask(url, "reshard_lent") for url in urls}
     failed = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
@@ -183,7 +187,7 @@ def wrap(original: Any) -> Any:
             rpc = getattr(type(self).collective_rpc, "__wrapped__", type(self).collective_rpc)
             host, port = meeting_address(urls)
             with replies_asleep(getattr(self, "model_executor", None)):
-                self._reshard_filled = fill_from_peers(self, rpc, urls, host, port)
+                fill_from_peers(self, rpc, urls, host, port)
         return out
 
     _initialize_kv_caches.__reshard_wrapped__ = True

@@ -311,12 +311,13 @@ _filled = _Filled()
 
 def adopt_filled(init_info: ReshardInitInfo) -> ReshardState | None:
     """The state a bootstrap filled on this rank, met with the trainer of ``init_info``
-    (its version and weights kept), or None: none was filled, or it was staged otherwise
-    than ``init_info`` asks (then a new state, its first refit dense)."""
+    (its version and weights kept; its staging, budget, deadlines and heap slack now
+    ``init_info``'s: the receiver it meets the trainer with is made from them), or None
+    when none was filled."""
     state, _filled.state = _filled.state, None
-    if (state is None or not state.bootstrapped or state.version == NO_VERSION
-            or state.staging != init_info.staging):
+    if state is None or not state.bootstrapped or state.version == NO_VERSION:
         return None
+    state.staging = init_info.staging
     state.budget_bytes, state.timeout_s = init_info.budget_bytes, init_info.timeout_s
     state.heap_slack_bytes = check_heap_slack(init_info.heap_slack_bytes)
     state.meet_trainer(init_info.master_address, init_info.master_port,
