@@ -11,6 +11,15 @@ changes what an engine or a trainer computes):
   forkserver's environment and working directory, not the test's of that moment, so each
   child first takes the parent's as they were when vLLM asked for the process (what
   spawn gives it): every engine still reads its own ``VLLM_CPU_OMP_THREADS_BIND``.
+  What a child cannot take from its environment is what torch's libgomp read once, as
+  the forkserver loaded it: the OpenMP thread count (``OMP_NUM_THREADS``) that threads
+  created later start from. The forkserver therefore starts with the one a vLLM worker
+  of these tests is given (one core a rank: ``WORKER_OMP``), whoever starts it first,
+  and a child asking another refuses to run (:func:`_run_as_spawned`). Before, it
+  started with the environment of the moment: a TP1 engine's core, started first, left
+  it with none (OpenMP's default, a thread per core), and the TP2 engines forked after
+  it answered a long prefill with other logprobs than the same engine spawned
+  (2026-12-07: ``test_vllm_bootstrap.py`` then ``test_vllm_serve.py``).
 * **Workers that exit at once.** A vLLM worker's interpreter spends 2-3 s here tearing
   down its modules' objects at exit (its cyclic garbage collection at finalization), and
   under load an engine shutdown ran into vLLM's 5 s grace and SIGTERM. :func:`close` has
@@ -42,7 +51,22 @@ PRELOAD = ["vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.distributed.weight_transfer.factory"]
 
 
+#: the OpenMP settings the forkserver starts with (vLLM gives each worker of a rank bound
+#: to one core ``OMP_NUM_THREADS=1``; every engine of these tests binds one core a rank)
+WORKER_OMP = {"OMP_NUM_THREADS": "1"}
+#: OpenMP placements the forkserver starts without (vLLM binds each worker's threads
+#: itself; a placement read by the forkserver would be some other worker's)
+_OMP_PLACEMENTS = ("GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY")
+
+
 def _run_as_spawned(env: dict[str, str], cwd: str, target, args, kwargs):
+    for key, value in WORKER_OMP.items():
+        if env.get(key, value) != value:
+            raise RuntimeError(
+                f"a process forked from the tests' forkserver asks {key}={env[key]}, but "
+                f"torch's OpenMP runtime in it was set up with {key}={value} (read once, "
+                "as the forkserver started): bind one core a rank "
+                "(VLLM_CPU_OMP_THREADS_BIND), or change _engine_procs.WORKER_OMP")
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -60,6 +84,7 @@ class _PreloadedContext:
     def Process(self, group=None, target=None, name=None, args=(), kwargs=None,
                 *, daemon=None, env: dict[str, str] | None = None):
         """``env``: the child's environment (by default this process's of the moment)."""
+        _ensure_forkserver()
         return self._ctx.Process(group=group, target=_run_as_spawned, name=name,
                                  args=(dict(os.environ if env is None else env), os.getcwd(),
                                        target, tuple(args), dict(kwargs or {})),
@@ -70,6 +95,24 @@ class _PreloadedContext:
 
 
 _context: _PreloadedContext | None = None
+
+
+def _ensure_forkserver() -> None:
+    """Start the forkserver, if not running, with this process's environment of the
+    moment but for OpenMP's: ``WORKER_OMP``, no placements."""
+    from multiprocessing import forkserver
+
+    if forkserver._forkserver._forkserver_address is not None:
+        return
+    saved = dict(os.environ)
+    try:
+        for key in _OMP_PLACEMENTS:
+            os.environ.pop(key, None)
+        os.environ.update(WORKER_OMP)
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _preloaded() -> _PreloadedContext:
