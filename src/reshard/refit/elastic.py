@@ -46,7 +46,7 @@ from __future__ import annotations
 import hmac
 import pickle
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +64,7 @@ from reshard.fanout import check_fanout
 from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan
+from reshard.refit.receiver import Prepare
 from reshard.refit.rendezvous import Meeting, meeting_digest_key
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
 from reshard.refit.sparse import SPARSE_MODES
@@ -396,23 +397,43 @@ class ElasticReceiver(_Participant):
     :class:`reshard.refit.RefitReceiver` (layouts over ranks ``0..tp_size-1``). The
     replica asks to join at construction; it takes part from the next refit on."""
 
-    def __init__(self, targets: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], *,
+    def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
+                 layouts: Mapping[str, Layout] | None = None, *,
                  host: str, port: int, replica_id: str, rank: int, tp_size: int,
                  method: str = "reshard", budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                  backend: str = "gloo", timeout: timedelta = timedelta(seconds=120),
                  refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,
-                 token: str | bytes | None = None, fanout: str = "auto") -> None:
+                 token: str | bytes | None = None, fanout: str = "auto",
+                 direct: Collection[str] = (), prepare: Prepare | None = None) -> None:
+        """``direct`` and ``prepare`` are as for :class:`reshard.refit.RefitReceiver`:
+        targets that are the caller's own staging (written straight, never shadowed,
+        committed by the caller once :meth:`refit` returned), or, instead of
+        ``targets`` and ``layouts``, a function of the trainer's layouts (read from the
+        store before this replica asks to join) that makes all three (as a vLLM engine
+        does: ``reshard.integrations.vllm``)."""
         if not 0 <= rank < tp_size:
             raise PlanError(f"rank must be in [0, {tp_size}), got {rank}")
+        if (prepare is None) == (targets is None or layouts is None) or (
+                prepare is not None and (targets is not None or layouts is not None)):
+            raise ConfigError("give targets and layouts, or prepare= (not both)")
         super().__init__(host, port, is_master=False, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
                          refit_timeout=refit_timeout, checksum=checksum, progress=progress,
                          token=token, fanout=fanout)
         self.replica_id, self.rank, self.tp_size = str(replica_id), rank, tp_size
+        trainer_size, trainer_layouts = pickle.loads(self.kv.get("trainer"))
+        if prepare is not None:
+            targets, layouts, direct = prepare(trainer_layouts)
+        assert targets is not None and layouts is not None
+        unknown = sorted(set(direct) - set(targets))
+        if unknown:
+            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
         self.layouts = dict(layouts)
         self.targets = dict(targets)
-        self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
+        self.direct = frozenset(direct)
+        self.shadow = self._new_shadow()
+        self.received: int | None = None  # a version received whole, not live yet
         self.active = True  # False once it has left (or was dropped)
         if rank == 0:
             if self.kv.check([f"replica/{self.replica_id}"]):
@@ -420,9 +441,24 @@ class ElasticReceiver(_Participant):
                                 "incarnation of a replica needs its own id")
             self.kv.set(f"replica/{self.replica_id}", pickle.dumps((tp_size, self.layouts)))
             self._request(("join", self.replica_id, tp_size))
-        trainer_size, trainer_layouts = pickle.loads(self.kv.get("trainer"))
         self.planner = _Planner(trainer_layouts, trainer_size)
         self._n: int | None = None
+
+    def _new_shadow(self) -> dict[str, torch.Tensor]:
+        """What a refit writes: a clone of each live target (the live targets hold the
+        replica's version whole), a ``direct`` target itself."""
+        return {n: t if n in self.direct else t.detach().clone()
+                for n, t in self.targets.items()}
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Extra memory the never-torn guarantee costs on this rank."""
+        return sum(t.numel() * t.element_size() for n, t in self.shadow.items()
+                   if n not in self.direct)
+
+    @property
+    def executors(self) -> list[Executor]:
+        return self.side.executors if self.side is not None else []
 
     def _request(self, req: tuple) -> None:
         i = int(self.kv.add("requests", 1)) - 1
@@ -435,9 +471,12 @@ class ElasticReceiver(_Participant):
         if self.rank == 0 and self.active:
             self._request(("leave", self.replica_id))
 
-    def refit(self, wait: timedelta | None = None) -> RefitStats | None:
+    def refit(self, wait: timedelta | None = None, *, go_live: bool = True,
+              ready: Callable[[], None] | None = None) -> RefitStats | None:
         """Wait (up to ``wait``, default the store timeout) for the next refit and take
-        part in it; None once this replica is no longer a member."""
+        part in it; None once this replica is no longer a member. ``go_live`` and
+        ``ready`` are as for :meth:`reshard.refit.RefitReceiver.refit`: with
+        ``go_live=False`` the version waits whole in the shadow until :meth:`go_live`."""
         if not self.active:
             raise ReshardError(f"replica {self.replica_id!r} is no longer a member")
         wait = wait or self.timeout
@@ -459,7 +498,7 @@ class ElasticReceiver(_Participant):
             self.close()
             return None
         if ann.epoch != self.epoch or self.broken:
-            self.shadow = {n: t.detach().clone() for n, t in self.targets.items()}
+            self.shadow = self._new_shadow()
             try:
                 self.enter(ann, lambda offsets: offsets[self.replica_id] + self.rank,
                            "inference")
@@ -470,17 +509,30 @@ class ElasticReceiver(_Participant):
         offset = self.offsets[self.replica_id]
         dst = {_name(offset, n): self.shadow[n] for n in self.layouts}
         try:
-            stats = self.side._move({}, dst, None)
+            stats = self.side._move({}, dst, None, ready)
         except TransferError:
             self.broken = self.side.broken
             if self.broken:
                 self._report_alive()
             raise
+        self.received = stats.version
+        if go_live:
+            self.go_live()
+        return stats
+
+    def go_live(self) -> int:
+        """Copy the last version received whole over the live targets (after
+        ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""
+        if self.received is None:
+            raise ConfigError("go_live: no version was received whole since the last one "
+                              "went live")
         with torch.no_grad():
             for name, live in self.targets.items():
-                live.copy_(self.shadow[name])
-        self.version = self.side.version = stats.version
-        return stats
+                if name not in self.direct:
+                    live.copy_(self.shadow[name])
+        self.version = self.side.version = self.received  # type: ignore[union-attr]
+        self.received = None
+        return self.version
 
     def _report_alive(self) -> None:
         with suppress(Exception):

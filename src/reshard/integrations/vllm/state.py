@@ -141,7 +141,10 @@ class ReshardState(Commit, Checks, Peers):
     checks (:class:`Checks`) and peer bootstrap (:class:`Peers`) are mixed in.
     ``bootstrap``: the number of live engines to fill this one from, at ``host:port``
     (this engine's rank 0 hosts the meeting; ``trainer_size`` unused): the receiver
-    then meets them, and :meth:`meet_trainer` the trainer later."""
+    then meets them, and :meth:`meet_trainer` the trainer later. ``replica``: join the
+    trainer's fleet at ``host:port`` (its ``ElasticSender`` ranks; ``trainer_size``
+    unused) as the replica of that id, fed with the others by ``fanout``
+    (:mod:`reshard.refit.elastic`, :mod:`reshard.fanout`)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, rank: int,
                  inference_size: int, host: str, port: int, trainer_size: int,
@@ -150,7 +153,8 @@ class ReshardState(Commit, Checks, Peers):
                  timeout_s: float = 120.0, unchecked_family_ok: bool = False,
                  token: str | None = None,
                  heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES,
-                 bootstrap: int | None = None) -> None:
+                 bootstrap: int | None = None, replica: str | None = None,
+                 fanout: str = "auto") -> None:
         from reshard.refit.receiver import RefitReceiver
 
         pc = vllm_config.parallel_config
@@ -177,6 +181,8 @@ class ReshardState(Commit, Checks, Peers):
         common = self._receiver_options(host, port, trainer_size)
         if bootstrap is not None:  # learnt from the live engines it is filled from
             self.receiver = self._bootstrap_receiver(host, port, bootstrap)
+        elif replica is not None:  # one replica of the trainer's fleet
+            self.receiver = self._replica_receiver(host, port, replica, fanout)
         elif hf_tensors is not None:  # told by the caller
             targets, layouts, direct = self._prepare(hf_tensors)
             self.receiver = RefitReceiver(targets, layouts, direct=direct, **common)
@@ -197,6 +203,24 @@ class ReshardState(Commit, Checks, Peers):
                     budget_bytes=self.budget_bytes, timeout=timedelta(seconds=self.timeout_s),
                     token=self.token,
                     quant=quant_format(self.vllm_config.model_config.hf_config))
+
+    def _replica_receiver(self, host: str, port: int, replica: str, fanout: str) -> Any:
+        """This rank's :class:`~reshard.refit.elastic.ElasticReceiver` in the trainer's
+        fleet: the mapping made from the trainer's layouts (read from its store before
+        the replica asks to join), the logical buffers its own staging."""
+        from reshard.refit.elastic import ElasticReceiver
+
+        if self.staging != "shadow":
+            raise ConfigError("a replica of an elastic fleet stages in a shadow: "
+                              f"staging={self.staging!r} is not offered there")
+        if quant_format(self.vllm_config.model_config.hf_config) is not None:
+            raise ConfigError("a quantized (FP8) engine cannot join an elastic fleet yet: "
+                              "meet the trainer with reshard_init")
+        return ElasticReceiver(prepare=self._prepare_from, host=host, port=port,
+                               replica_id=replica, rank=self.rank,
+                               tp_size=self.inference_size, budget_bytes=self.budget_bytes,
+                               timeout=timedelta(seconds=self.timeout_s), token=self.token,
+                               fanout=fanout)
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self.forwards += 1
@@ -373,6 +397,9 @@ class ReshardState(Commit, Checks, Peers):
             self.prepare_seconds = 0.0
             stats = self.receiver.refit(go_live=go_live,
                                         ready=self.prepare if prepare else None)
+            if stats is None:  # an elastic replica that left, or was dropped
+                raise ReshardError("this engine is no longer a replica of the trainer's "
+                                   "fleet (it left, or was dropped after a failure)")
         except Exception as e:
             # with staging="none" the live in-place weights may hold part of the new version
             self.stale = self.stale or (self.staging == "none" and bool(self.live))
@@ -412,11 +439,17 @@ class ReshardState(Commit, Checks, Peers):
         """Meet the trainer again at a new ``host:port`` after a lost worker (collective
         with the trainer ranks' ``RefitSender.reconnect`` or fresh senders): the live
         weights and the version are kept; the mapping and the buffers are remade."""
+        if not hasattr(self.receiver, "reconnect"):
+            raise ConfigError("a replica of an elastic fleet does not reconnect: the fleet "
+                              "drops a replica it lost; join again under a new id")
         self.receiver.reconnect(host, port, timeout=timedelta(seconds=timeout_s))
         return self.info()
 
     def close(self) -> None:
         self._counting.remove()
-        self.receiver.comm.close()
+        if hasattr(self.receiver, "reconnect"):
+            self.receiver.comm.close()
+        else:  # an elastic replica: its epoch's group, if it formed one
+            self.receiver.close()
 
 

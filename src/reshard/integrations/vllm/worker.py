@@ -121,6 +121,42 @@ class ReshardWorkerExtension:
         return self._reshard.info()
 
     @_reported
+    def reshard_join(self, host: str, port: int, replica: str, fanout: str = "auto",
+                     budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES, timeout_s: float = 120.0,
+                     unchecked_family_ok: bool = False, token: str | None = None,
+                     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
+                     ) -> dict[str, Any]:
+        """Ask to join the trainer's fleet at ``host:port`` (its ``ElasticSender``
+        ranks; ``reshard.refit.elastic``) as replica ``replica`` (an id unique per
+        incarnation, the same on every rank of this engine): the mapping is made from the
+        trainer's tensors (published in its store), then this engine takes part in every
+        refit from the next one on, :meth:`reshard_refit` on every engine of the fleet at
+        once (each blocks until the trainer's refit ran). Replicas on other fast domains
+        are fed through each other where ``fanout`` (the same on every rank of the
+        fleet) says so (``docs/fleets.md``). The other options are as for
+        :meth:`reshard_init`; returns sizes."""
+        self._reshard_drop()
+        self._reshard = ReshardState(
+            self.model_runner.get_model(), self.vllm_config, rank=self.rank,
+            inference_size=self.vllm_config.parallel_config.world_size, host=host,
+            port=port, trainer_size=0, budget_bytes=budget_bytes, timeout_s=timeout_s,
+            unchecked_family_ok=unchecked_family_ok, token=token,
+            heap_slack_bytes=heap_slack_bytes, replica=str(replica), fanout=fanout)
+        return self._reshard.info()
+
+    @_reported
+    def reshard_leave(self) -> dict[str, Any]:
+        """Ask to leave the trainer's fleet (after :meth:`reshard_join`): this engine
+        still takes part in a refit already announced; the next :meth:`reshard_refit`
+        finds it out (``ok: False``). Its weights and version stay."""
+        state = self._reshard_state()
+        if not hasattr(state.receiver, "leave"):
+            raise ConfigError("reshard_leave: this engine is not a replica of a fleet "
+                              "(reshard_join)")
+        state.receiver.leave()
+        return {"rank": self.rank, "version": state.version}
+
+    @_reported
     def reshard_bootstrap(self, host: str, port: int, num_peers: int,
                           budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES,
                           timeout_s: float = 120.0, token: str | None = None,
