@@ -1,13 +1,14 @@
 """The trainer job of the vLLM peer-bootstrap test::
 
-    python _fleet_trainer_job.py MODEL_DIR OUT_DIR --fleet PORT:N --join PORT:TP
+    python _fleet_trainer_job.py MODEL_DIR OUT_DIR --fleet PORT:N:M --join PORT:TP
 
 Two gloo ranks (FSDP2, float32 master weights, AdamW, the batches of
 ``_vllm_trainer_job``) host a fleet at ``PORT`` (an ``ElasticSender`` each, relayed
 fan-out) and wait for its ``N`` engines to ask to join; take step 1 and refit the fleet
 (every engine at once, fed through each other); then meet the engine of ``--join`` (a
 new one, filled from its peers in the meantime, without this job; one ``RefitSender``),
-take step 2 and refit the fleet, then that engine. Rank 0 saves the full state dict of
+wait for ``M`` requests to join in all (engines filled from their peers that join the
+fleet), take step 2 and refit the fleet, then that engine. Rank 0 saves the full state dict of
 each step (``OUT_DIR/step{k}.pt``) before its refits. Prints one JSON line: per rank,
 per step and refit, the outcome (``engine`` 0: the fleet, 1: the joined engine).
 """
@@ -29,13 +30,13 @@ from reshard.tools.launch import run_processes
 TIMEOUT = timedelta(seconds=300)  # the new engine comes after a fresh engine's run
 
 
-def trainer(rank: int, world: int, model_dir: str, out_dir: str, fleet: tuple[int, int],
-            join: tuple[int, int]) -> list[dict]:
+def trainer(rank: int, world: int, model_dir: str, out_dir: str,
+            fleet: tuple[int, int, int], join: tuple[int, int]) -> list[dict]:
     torch.manual_seed(0)
     model = hf.load_model(model_dir, torch.float32)
     hf.shard_fsdp2(model)
     params, layouts = hf.refit_params(model)
-    port, engines = fleet
+    port, engines, grown = fleet
     elastic = ElasticSender(params, layouts, host="127.0.0.1", port=port, rank=rank,
                             trainer_size=world, timeout=TIMEOUT, fanout="relay")
     if rank == 0:
@@ -47,6 +48,8 @@ def trainer(rank: int, world: int, model_dir: str, out_dir: str, fleet: tuple[in
             joined = RefitSender(params, layouts=layouts, host="127.0.0.1", port=join[0],
                                  rank=rank, trainer_size=world, inference_size=join[1],
                                  timeout=TIMEOUT)
+            if rank == 0:
+                elastic.wait_for_requests(grown)
         train_step(model, opt, step, rank, out_dir)
         stats = elastic.refit(step)
         log.append({"step": step, "engine": 0, "sent": stats.bytes_sent,

@@ -14,9 +14,11 @@ layout than its peers'), started from the step-0 checkpoint, is filled from A an
 for bit (greedy tokens and prompt logprobs) as a fresh TP2 engine loaded from the
 trainer's step-1 checkpoint; every byte it received came from A or B, each sending a
 share. Then C meets the trainer through vLLM's weight-transfer protocol (its version
-kept: the backend adopts what the bootstrap filled) and the step-2 refit reaches A and B
-(relayed again) and C: C's every logical parameter bit for bit what vLLM's own loaders
-make of step 2.
+kept: the backend adopts what the bootstrap filled). A fourth engine D (TP1), started
+from the step-0 checkpoint, is filled from A and B too and then joins the fleet
+(``reshard_join`` after the bootstrap: its version kept); the step-2 refit reaches A, B
+and D at once (relayed through the three) and C: every logical parameter of C and of D
+bit for bit what vLLM's own loaders make of step 2.
 """
 
 from __future__ import annotations
@@ -82,12 +84,12 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
     monkeypatch.setenv("RESHARD_DOMAIN_SIZE", "1")
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     ports = [free_port() for _ in range(3)]
-    peers, c, job = [], None, None
+    peers, c, d, job = [], None, None, None
     try:
         with open(tmp_path / "job.out", "w") as so, open(tmp_path / "job.err", "w") as se:
             job = subprocess.Popen(  # it starts while the engines do, then waits for them
                 [sys.executable, str(JOB), str(model_dir), str(out),
-                 "--fleet", f"{ports[0]}:2", "--join", f"{ports[2]}:2"],
+                 "--fleet", f"{ports[0]}:2:3", "--join", f"{ports[2]}:2"],
                 stdout=so, stderr=se)
         peers = [engine(model_dir, 1, [CORES[i]]) for i in range(2)]
         for llm, rid in zip(peers, "AB"):
@@ -123,45 +125,63 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         sent = [r["bytes_sent"] for r in lent]
         assert sum(sent) == sum(received) and min(sent) > 0.3 * sum(sent), sent
 
+        # D, another new engine, filled from A and B, then a replica of the fleet (before
+        # C meets the trainer: the trainer's step 2 waits for that)
+        d = engine(model_dir, 1, [CORES[0]])
+        port = free_port()
+        lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
+                 for i, llm in enumerate(peers)]
+        assert all(r["ok"] and r["problem"] is None for r in lends), lends
+        filled_d = collective(d, "reshard_bootstrap", HOST, port, 2)
+        lent_d = [collective(llm, "reshard_lent")[0] for llm in peers]
+        assert all(r["ok"] and r["version"] == 1 for r in filled_d + lent_d), (filled_d, lent_d)
+        info = collective(d, "reshard_join", HOST, ports[0], "D", fanout="relay")
+        assert [i["version"] for i in info] == [1], info  # kept: D joins at version 1
+        fleet = [*peers, d]
+
         # C joins the trainer's next refit through vLLM's weight-transfer protocol (as a
         # served engine does): the backend adopts what the bootstrap filled, version kept
         c.init_weight_transfer_engine({"init_info": {
             "master_address": HOST, "master_port": ports[2], "trainer_size": 2}})
         info = collective(c, "reshard_info")
         assert [i["version"] for i in info] == [1, 1], info
-        step2 = fleet_refit(peers)
+        step2 = fleet_refit(fleet)
         assert all(r["ok"] and r["version"] == 2 for r in step2), step2
         c.start_weight_update()
         c.update_weights({"update_info": {}})
         c.finish_weight_update(weight_version="2")
         res = collective(c, "reshard_last")
         assert all(r["ok"] and r["committed"] and r["version"] == 2 for r in res), res
-        verify = collective(c, "reshard_verify", str(out / "step2.pt"))
-        assert all(not v["mismatched"] for v in verify), verify
+        for llm in (c, d):
+            verify = collective(llm, "reshard_verify", str(out / "step2.pt"))
+            assert all(not v["mismatched"] for v in verify), verify
         job.wait(timeout=120)
         assert job.returncode == 0, (tmp_path / "job.err").read_text()[-3000:]
         trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
         assert [(e["step"], e["engine"]) for e in trainer[0]] == [(1, 0), (2, 0), (2, 1)]
         assert trainer[0][0]["members"] == ["A", "B"] and trainer[0][0]["fanout"] == "relay"
+        assert trainer[0][1]["members"] == ["A", "B", "D"]
+        assert trainer[0][1]["fanout"] == "relay"
         # relayed: the trainer's ranks sent one copy of what an engine needs, not two;
         # A and B forwarded the other copy to each other
         one_copy = sum(t.numel() * t.element_size()  # every tensor of the model, once
                        for t in torch.load(out / "step1.pt").values())
-        for refit in (step1, step2):
-            assert [r["bytes_received"] for r in refit] == [one_copy, one_copy], refit
         for k, refit in enumerate((step1, step2)):
+            assert [r["bytes_received"] for r in refit] == [one_copy] * len(refit), refit
             assert sum(rank[k]["sent"] for rank in trainer) == one_copy, trainer
             relayed = [r["bytes_sent"] for r in refit]
-            assert sum(relayed) == one_copy and min(relayed) > 0, relayed
+            assert sum(relayed) == (len(refit) - 1) * one_copy and min(relayed) > 0, relayed
         print(f"fleet: the trainer sent {sum(rank[0]['sent'] for rank in trainer)} bytes, "
-              f"A and B relayed {[r['bytes_sent'] for r in step1]}; "
+              f"A and B relayed {[r['bytes_sent'] for r in step1]}; at step 2 "
+              f"{sum(rank[1]['sent'] for rank in trainer)}, A, B and D relayed "
+              f"{[r['bytes_sent'] for r in step2]}; "
               f"bootstrap: C received {received} bytes from A and B ({sent}) in "
               f"{max(r['receive_seconds'] for r in filled):.2f} s; the peers' forward "
               f"passes meanwhile {[r['forwards_during'] for r in lent]}")
     finally:
         if job is not None:
             job.kill()
-        for llm in (*peers, *([c] if c is not None else [])):
+        for llm in (*peers, *(e for e in (c, d) if e is not None)):
             close_llm(llm)
         if saved is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved

@@ -72,6 +72,24 @@ class Peers:
         self.receiver.version = self._version
         return self.info()
 
+    def join_fleet(self, host: str, port: int, replica: str, fanout: str = "auto",
+                   token: str | None = None) -> dict[str, Any]:
+        """After a bootstrap: ask to join the trainer's fleet (its ``ElasticSender``
+        ranks) as replica ``replica``, with the targets the bootstrap filled; the live
+        weights and the version are kept (a sparse refit may build on them), and the
+        fleet's next refit is this engine's like any other replica's."""
+        from reshard.refit.elastic import ElasticReceiver
+
+        old = self.receiver
+        self.token = token if token is not None else self.token
+        self.receiver = ElasticReceiver(
+            old.targets, self.mapping.layouts, direct=old.direct, host=host, port=port,
+            replica_id=replica, rank=self.rank, tp_size=self.inference_size,
+            budget_bytes=self.budget_bytes, timeout=timedelta(seconds=self.timeout_s),
+            token=self.token, fanout=fanout)
+        self.receiver.version = self._version
+        return self.info()
+
     def lend(self, host: str, port: int, peer: int) -> dict[str, Any]:
         """Lend this rank's committed weights, as peer ``peer``, to a new engine
         bootstrapping at ``host:port``: in a thread, beside the serving engine; returns

@@ -134,7 +134,13 @@ class ReshardWorkerExtension:
         once (each blocks until the trainer's refit ran). Replicas on other fast domains
         are fed through each other where ``fanout`` (the same on every rank of the
         fleet) says so (``docs/fleets.md``). The other options are as for
-        :meth:`reshard_init`; returns sizes."""
+        :meth:`reshard_init`; returns sizes. After :meth:`reshard_bootstrap` the filled
+        state joins instead, keeping its version and weights (only ``fanout`` and
+        ``token`` are read of the options)."""
+        state = getattr(self, "_reshard", None)
+        if state is not None and state.bootstrapped and state.version != NO_VERSION:
+            _filled.state = None
+            return state.join_fleet(host, port, str(replica), fanout, token)
         self._reshard_drop()
         self._reshard = ReshardState(
             self.model_runner.get_model(), self.vllm_config, rank=self.rank,
