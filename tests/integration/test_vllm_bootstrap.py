@@ -15,10 +15,12 @@ for bit (greedy tokens and prompt logprobs) as a fresh TP2 engine loaded from th
 trainer's step-1 checkpoint; every byte it received came from A or B, each sending a
 share. Then C meets the trainer through vLLM's weight-transfer protocol (its version
 kept: the backend adopts what the bootstrap filled). A fourth engine D (TP1), started
-from the step-0 checkpoint, is filled from A and B too and then joins the fleet
-(``reshard_join`` after the bootstrap: its version kept); the step-2 refit reaches A, B
-and D at once (relayed through the three) and C: every logical parameter of C and of D
-bit for bit what vLLM's own loaders make of step 2.
+from the step-0 checkpoint, is filled from A and B too and then joins the fleet through
+vLLM's weight-transfer protocol (``replica`` in its init info: its version kept); the
+step-2 refit reaches A, B and D at once (relayed through the three; D receiving into its
+staging, then swapping, as a served engine does) and C: every logical parameter of C and of D
+bit for bit what vLLM's own loaders make of step 2, and A, B and D answer bit for bit
+as a fresh TP1 engine of step 2.
 """
 
 from __future__ import annotations
@@ -66,12 +68,22 @@ def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True,
                      kv_cache_memory_bytes=KV_CACHE_BYTES, **extra)
 
 
-def fleet_refit(peers: list) -> list[dict]:
-    """``reshard_refit`` on every engine of the fleet at once (each takes part in the
-    trainer's one refit); each engine's rank 0's outcome."""
-    with ThreadPoolExecutor(len(peers)) as pool:
+def fleet_refit(peers: list, served: list = ()) -> list[dict]:
+    """One refit of the trainer's fleet, every engine taking part at once (from threads):
+    ``reshard_refit`` on ``peers``, vLLM's weight-transfer protocol on ``served`` (a
+    served engine's way: receive into staging, then swap); each engine's rank 0's
+    outcome, in that order."""
+    def protocol(llm) -> dict:
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {}})
+        llm.finish_weight_update(weight_version="fleet")
+        return collective(llm, "reshard_last")[0]
+
+    with ThreadPoolExecutor(len(peers) + len(served)) as pool:
         runs = [pool.submit(collective, llm, "reshard_refit") for llm in peers]
-        return [run.result()[0] for run in runs]
+        runs += [pool.submit(protocol, llm) for llm in served]
+        return [run.result() if i >= len(peers) else run.result()[0]
+                for i, run in enumerate(runs)]
 
 
 def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
@@ -125,9 +137,10 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         sent = [r["bytes_sent"] for r in lent]
         assert sum(sent) == sum(received) and min(sent) > 0.3 * sum(sent), sent
 
-        # D, another new engine, filled from A and B, then a replica of the fleet (before
-        # C meets the trainer: the trainer's step 2 waits for that)
-        d = engine(model_dir, 1, [CORES[0]])
+        # D, another new engine, filled from A and B, then a replica of the fleet through
+        # vLLM's weight-transfer protocol, as a served engine joins (before C meets the
+        # trainer: the trainer's step 2 waits for that)
+        d = engine(model_dir, 1, [CORES[0]], protocol=True)
         port = free_port()
         lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
                  for i, llm in enumerate(peers)]
@@ -135,7 +148,10 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         filled_d = collective(d, "reshard_bootstrap", HOST, port, 2)
         lent_d = [collective(llm, "reshard_lent")[0] for llm in peers]
         assert all(r["ok"] and r["version"] == 1 for r in filled_d + lent_d), (filled_d, lent_d)
-        info = collective(d, "reshard_join", HOST, ports[0], "D", fanout="relay")
+        d.init_weight_transfer_engine({"init_info": {
+            "master_address": HOST, "master_port": ports[0], "replica": "D",
+            "fanout": "relay"}})
+        info = collective(d, "reshard_info")
         assert [i["version"] for i in info] == [1], info  # kept: D joins at version 1
         fleet = [*peers, d]
 
@@ -145,8 +161,8 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
             "master_address": HOST, "master_port": ports[2], "trainer_size": 2}})
         info = collective(c, "reshard_info")
         assert [i["version"] for i in info] == [1, 1], info
-        step2 = fleet_refit(fleet)
-        assert all(r["ok"] and r["version"] == 2 for r in step2), step2
+        step2 = fleet_refit(peers, [d])
+        assert all(r["ok"] and r["committed"] and r["version"] == 2 for r in step2), step2
         c.start_weight_update()
         c.update_weights({"update_info": {}})
         c.finish_weight_update(weight_version="2")
@@ -155,6 +171,13 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         for llm in (c, d):
             verify = collective(llm, "reshard_verify", str(out / "step2.pt"))
             assert all(not v["mismatched"] for v in verify), verify
+        # every replica of the fleet, refitted through relays, answers bit for bit as a
+        # fresh engine of its kind (TP1, float32) loaded from the trainer's step 2
+        ckpt = hf.save_checkpoint(model_dir, torch.load(out / "step2.pt"), tmp_path / "ckpt2")
+        fresh = engine(ckpt, 1, [CORES[1]], reshard=False)
+        expected = generate(fresh)
+        close_llm(fresh)
+        assert [generate(llm) for llm in fleet] == [expected] * len(fleet)
         job.wait(timeout=120)
         assert job.returncode == 0, (tmp_path / "job.err").read_text()[-3000:]
         trainer = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])

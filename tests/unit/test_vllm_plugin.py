@@ -98,6 +98,12 @@ def test_reshard_fields_are_checked_in_the_engine_core():
     with pytest.raises(ReshardError, match="trainer_size"):  # a required field missing
         guard.check("init_weight_transfer_engine", {"init_info": {
             "master_address": "h", "master_port": 1}})
+    with pytest.raises(ReshardError, match="unknown fanout 'ring'"):  # a fleet replica's
+        guard.check("init_weight_transfer_engine", {"init_info": {
+            "master_address": "h", "master_port": 1, "replica": "A", "fanout": "ring"}})
+    guard.check("init_weight_transfer_engine", {"init_info": {  # no trainer_size needed
+        "master_address": "h", "master_port": 1, "replica": "A", "fanout": "relay"}})
+    guard.done("init_weight_transfer_engine")
     guard.check("init_weight_transfer_engine", {"init_info": {
         "master_address": "h", "master_port": 1, "trainer_size": 2, "staging": "none"}})
     guard.done("init_weight_transfer_engine")

@@ -27,6 +27,7 @@ from reshard.defaults import (
     NO_VERSION,
 )
 from reshard.errors import ConfigError, ReshardError
+from reshard.fanout import check_fanout
 from reshard.integrations.vllm.state import ReshardState, check_heap_slack
 
 __all__ = [
@@ -285,7 +286,8 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 class ReshardInitInfo(WeightTransferInitInfo):
     master_address: str
     master_port: int
-    trainer_size: int
+    #: the trainer's ranks (not for a fleet replica: ``replica``)
+    trainer_size: int | None = None
     staging: str = "shadow"
     budget_bytes: int = DEFAULT_REFIT_BUDGET_BYTES
     hf_tensors: dict[str, list[int]] | None = None
@@ -300,9 +302,18 @@ class ReshardInitInfo(WeightTransferInitInfo):
     #: the trainer's sparse mode (docs/sparse.md): the engine needs nothing for it (its
     #: staging holds the last version whole) and reports it in ``reshard_info``
     sparse: str = "off"
+    #: join the trainer's fleet at master_address:master_port (its ``ElasticSender``
+    #: ranks) as the replica of this id, unique per incarnation (docs/fleets.md) ...
+    replica: str | None = None
+    #: ... fed as this says, the same on every rank of the fleet
+    fanout: str = "auto"
 
     def __post_init__(self) -> None:  # refused by the engine core, before any worker
         check_heap_slack(self.heap_slack_bytes)
+        if self.trainer_size is None and self.replica is None:
+            raise ConfigError("trainer_size is missing: the trainer's number of ranks (or "
+                              "replica, to join the trainer's fleet)")
+        check_fanout(self.fanout)
         if self.sparse not in ("auto", "on", "off"):
             raise ConfigError(f"sparse must be one of ('auto', 'on', 'off'), got "
                               f"{self.sparse!r}")
@@ -362,8 +373,12 @@ def adopt_filled(init_info: ReshardInitInfo) -> ReshardState | None:
     state.staging = init_info.staging
     state.budget_bytes, state.timeout_s = init_info.budget_bytes, init_info.timeout_s
     state.heap_slack_bytes = check_heap_slack(init_info.heap_slack_bytes)
-    state.meet_trainer(init_info.master_address, init_info.master_port,
-                       init_info.trainer_size, init_info.token)
+    if init_info.replica is not None:
+        state.join_fleet(init_info.master_address, init_info.master_port,
+                         init_info.replica, init_info.fanout, init_info.token)
+    else:
+        state.meet_trainer(init_info.master_address, init_info.master_port,
+                           init_info.trainer_size, init_info.token)
     return state
 
 
@@ -414,11 +429,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.state = adopt_filled(init_info) or ReshardState(
                 self.model, self.vllm_config, rank=pc.rank, inference_size=pc.world_size,
                 host=init_info.master_address, port=init_info.master_port,
-                trainer_size=init_info.trainer_size, staging=init_info.staging,
+                trainer_size=init_info.trainer_size or 0, staging=init_info.staging,
                 budget_bytes=init_info.budget_bytes, hf_tensors=init_info.hf_tensors,
                 timeout_s=init_info.timeout_s,
                 unchecked_family_ok=init_info.unchecked_family_ok, token=init_info.token,
-                heap_slack_bytes=init_info.heap_slack_bytes)
+                heap_slack_bytes=init_info.heap_slack_bytes, replica=init_info.replica,
+                fanout=init_info.fanout)
             self.state.sparse = init_info.sparse
             self.outcome.update(self.state.info())
         except Exception as e:
