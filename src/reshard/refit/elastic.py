@@ -434,6 +434,7 @@ class ElasticReceiver(_Participant):
         self.direct = frozenset(direct)
         self.shadow = self._new_shadow()
         self.received: int | None = None  # a version received whole, not live yet
+        self._torn = False  # a failed refit wrote the direct targets: no sparse base
         self.active = True  # False once it has left (or was dropped)
         if rank == 0:
             if self.kv.check([f"replica/{self.replica_id}"]):
@@ -505,16 +506,23 @@ class ElasticReceiver(_Participant):
             except TransferError:
                 self._report_alive()
                 raise
+            if self._torn:  # a new epoch takes the live version as its base: not so for
+                # direct targets a failed refit wrote (the trainer's copies lost their
+                # base at that failure too; this says so on the replica's side as well)
+                self.side.sparse_refits.base = None
         assert self.side is not None
         offset = self.offsets[self.replica_id]
         dst = {_name(offset, n): self.shadow[n] for n in self.layouts}
         try:
             stats = self.side._move({}, dst, None, ready)
         except TransferError:
+            # the caller's own staging (direct) may hold part of the failed version
+            self._torn = self._torn or bool(self.direct)
             self.broken = self.side.broken
             if self.broken:
                 self._report_alive()
             raise
+        self._torn = False
         self.received = stats.version
         if go_live:
             self.go_live()
