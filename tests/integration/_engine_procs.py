@@ -102,7 +102,7 @@ def _ensure_forkserver() -> None:
     moment but for OpenMP's: ``WORKER_OMP``, no placements."""
     from multiprocessing import forkserver
 
-    if forkserver._forkserver._forkserver_address is not None:
+    if forkserver_running():
         return
     saved = dict(os.environ)
     try:

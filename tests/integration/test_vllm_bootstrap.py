@@ -68,6 +68,18 @@ def engine(model_dir: Path, tp: int, cores: list[int], reshard: bool = True,
                      kv_cache_memory_bytes=KV_CACHE_BYTES, **extra)
 
 
+def fill_from(peers: list, new) -> tuple[list[dict], list[dict]]:
+    """Fill engine ``new`` from ``peers`` (each lends, ``new`` bootstraps, each reports),
+    all at version 1; the new engine's ranks' outcomes and the peers' rank 0's."""
+    port = free_port()
+    lends = [collective(llm, "reshard_lend", HOST, port, i)[0] for i, llm in enumerate(peers)]
+    assert all(r["ok"] and r["problem"] is None for r in lends), lends
+    filled = collective(new, "reshard_bootstrap", HOST, port, len(peers))
+    lent = [collective(llm, "reshard_lent")[0] for llm in peers]
+    assert all(r["ok"] and r["version"] == 1 for r in filled + lent), (filled, lent)
+    return filled, lent
+
+
 def fleet_refit(peers: list, served: list = ()) -> list[dict]:
     """One refit of the trainer's fleet, every engine taking part at once (from threads):
     ``reshard_refit`` on ``peers``, vLLM's weight-transfer protocol on ``served`` (a
@@ -120,13 +132,7 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
 
         c = engine(model_dir, 2, CORES[:2], protocol=True)
         assert generate(c) != expected  # step 0: the bootstrap has something to do
-        port = free_port()
-        lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
-                 for i, llm in enumerate(peers)]
-        assert all(r["ok"] and r["problem"] is None for r in lends), lends
-        filled = collective(c, "reshard_bootstrap", HOST, port, 2)
-        lent = [collective(llm, "reshard_lent")[0] for llm in peers]
-        assert all(r["ok"] and r["version"] == 1 for r in filled + lent), (filled, lent)
+        filled, lent = fill_from(peers, c)
         # the engine core cleared its prefix cache (the long prompt's KV was step 0's)
         assert all(r["prefix_cache_reset"] for r in filled), filled
         assert generate(c) == expected  # bit for bit: tokens and logprobs
@@ -141,13 +147,7 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         # vLLM's weight-transfer protocol, as a served engine joins (before C meets the
         # trainer: the trainer's step 2 waits for that)
         d = engine(model_dir, 1, [CORES[0]], protocol=True)
-        port = free_port()
-        lends = [collective(llm, "reshard_lend", HOST, port, i)[0]
-                 for i, llm in enumerate(peers)]
-        assert all(r["ok"] and r["problem"] is None for r in lends), lends
-        filled_d = collective(d, "reshard_bootstrap", HOST, port, 2)
-        lent_d = [collective(llm, "reshard_lent")[0] for llm in peers]
-        assert all(r["ok"] and r["version"] == 1 for r in filled_d + lent_d), (filled_d, lent_d)
+        fill_from(peers, d)
         d.init_weight_transfer_engine({"init_info": {
             "master_address": HOST, "master_port": ports[0], "replica": "D",
             "fanout": "relay"}})

@@ -64,7 +64,7 @@ from reshard.fanout import check_fanout
 from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.planner import Plan
-from reshard.refit.receiver import Prepare
+from reshard.refit.receiver import Prepare, Staged, check_targets_or_prepare
 from reshard.refit.rendezvous import Meeting, meeting_digest_key
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
 from reshard.refit.sparse import SPARSE_MODES
@@ -388,7 +388,7 @@ class ElasticSender(_Participant):
             time.sleep(_POLL_S)
 
 
-class ElasticReceiver(_Participant):
+class ElasticReceiver(Staged, _Participant):
     """One rank of an inference replica in an elastic refit group.
 
     ``replica_id`` names the replica (all its TP ranks pass the same id; unique per
@@ -414,9 +414,7 @@ class ElasticReceiver(_Participant):
         does: ``reshard.integrations.vllm``)."""
         if not 0 <= rank < tp_size:
             raise PlanError(f"rank must be in [0, {tp_size}), got {rank}")
-        if (prepare is None) == (targets is None or layouts is None) or (
-                prepare is not None and (targets is not None or layouts is not None)):
-            raise ConfigError("give targets and layouts, or prepare= (not both)")
+        check_targets_or_prepare(targets, layouts, prepare)
         super().__init__(host, port, is_master=False, timeout=timeout, method=method,
                          budget_bytes=budget_bytes, backend=backend,
                          refit_timeout=refit_timeout, checksum=checksum, progress=progress,
@@ -426,14 +424,9 @@ class ElasticReceiver(_Participant):
         if prepare is not None:
             targets, layouts, direct = prepare(trainer_layouts)
         assert targets is not None and layouts is not None
-        unknown = sorted(set(direct) - set(targets))
-        if unknown:
-            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
+        self._take(targets, direct)
         self.layouts = dict(layouts)
-        self.targets = dict(targets)
-        self.direct = frozenset(direct)
         self.shadow = self._new_shadow()
-        self.received: int | None = None  # a version received whole, not live yet
         self._torn = False  # a failed refit wrote the direct targets: no sparse base
         self.active = True  # False once it has left (or was dropped)
         if rank == 0:
@@ -444,18 +437,6 @@ class ElasticReceiver(_Participant):
             self._request(("join", self.replica_id, tp_size))
         self.planner = _Planner(trainer_layouts, trainer_size)
         self._n: int | None = None
-
-    def _new_shadow(self) -> dict[str, torch.Tensor]:
-        """What a refit writes: a clone of each live target (the live targets hold the
-        replica's version whole), a ``direct`` target itself."""
-        return {n: t if n in self.direct else t.detach().clone()
-                for n, t in self.targets.items()}
-
-    @property
-    def shadow_bytes(self) -> int:
-        """Extra memory the never-torn guarantee costs on this rank."""
-        return sum(t.numel() * t.element_size() for n, t in self.shadow.items()
-                   if n not in self.direct)
 
     @property
     def executors(self) -> list[Executor]:
@@ -531,15 +512,9 @@ class ElasticReceiver(_Participant):
     def go_live(self) -> int:
         """Copy the last version received whole over the live targets (after
         ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""
-        if self.received is None:
-            raise ConfigError("go_live: no version was received whole since the last one "
-                              "went live")
-        with torch.no_grad():
-            for name, live in self.targets.items():
-                if name not in self.direct:
-                    live.copy_(self.shadow[name])
-        self.version = self.side.version = self.received  # type: ignore[union-attr]
-        self.received = None
+        version = self._received_version()
+        self._go_live()
+        self.version = self.side.version = version  # type: ignore[union-attr]
         return self.version
 
     def _report_alive(self) -> None:

@@ -15,7 +15,7 @@ from reshard.quant.blocks import BlockFormat
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side
 
-__all__ = ["RefitReceiver"]
+__all__ = ["RefitReceiver", "Staged", "check_targets_or_prepare"]
 
 
 #: ``prepare(trainer_layouts) -> (targets, layouts, direct)``: a receiver's tensors made
@@ -24,15 +24,70 @@ Prepare = Callable[[Mapping[str, Layout]],
                    tuple[Mapping[str, torch.Tensor], Mapping[str, Layout], Collection[str]]]
 
 
-class RefitReceiver(Side):
+def check_targets_or_prepare(targets, layouts, prepare: Prepare | None) -> None:
+    """A receiver is given its targets and layouts, or ``prepare`` (not both)."""
+    if (prepare is None) == (targets is None or layouts is None) or (
+            prepare is not None and (targets is not None or layouts is not None)):
+        raise ConfigError("give targets and layouts, or prepare= (not both)")
+
+
+class Staged:
+    """A receiver's targets and their staging (:class:`RefitReceiver`,
+    :class:`reshard.refit.elastic.ElasticReceiver`): a refit writes the shadow, and
+    :meth:`_go_live` copies it over the live targets; ``direct`` targets are the
+    caller's own staging (written straight, never shadowed, committed by the caller)."""
+
+    staging: str = "shadow"
+    direct: frozenset[str] = frozenset()  # targets the caller stages itself (no shadow)
+    received: int | None = None  # a version received whole, not live yet (go_live)
+    targets: dict[str, torch.Tensor]
+    shadow: dict[str, torch.Tensor]
+
+    def _take(self, targets: Mapping[str, torch.Tensor], direct: Collection[str]) -> None:
+        unknown = sorted(set(direct) - set(targets))
+        if unknown:
+            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
+        self.targets, self.direct = dict(targets), frozenset(direct)
+
+    def _new_shadow(self) -> dict[str, torch.Tensor]:
+        """What the transfer writes: a clone of each live target with ``staging="shadow"``
+        (not empty: regions no layout covers, such as vocabulary padding, keep their live
+        values when it is copied over), the target itself otherwise."""
+        if self.staging == "none":
+            return self.targets
+        return {n: t if n in self.direct else t.detach().clone()
+                for n, t in self.targets.items()}
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Extra memory the never-torn guarantee costs on this rank."""
+        if self.staging == "none":
+            return 0
+        return sum(t.numel() * t.element_size() for n, t in self.shadow.items()
+                   if n not in self.direct)
+
+    def _go_live(self) -> None:
+        if self.staging == "shadow":
+            with torch.no_grad():
+                for name, live in self.targets.items():
+                    if name not in self.direct:
+                        live.copy_(self.shadow[name])
+
+    def _received_version(self) -> int:
+        """The version received whole and not live yet, now taken (``go_live``)."""
+        if self.received is None:
+            raise ConfigError("go_live: no version was received whole since the last one "
+                              "went live")
+        version, self.received = self.received, None
+        return version
+
+
+class RefitReceiver(Staged, Side):
     """The inference side. ``targets``: name -> local tensor to write (views into fused
     parameters are fine); ``layouts``: name -> Layout over the inference ranks. Or,
     instead of both, ``prepare``: called at the meeting with the trainer's layouts, it
     returns ``(targets, layouts, direct)`` (a receiver that maps the trainer's names,
     as the vLLM integration does, needs nothing else from the caller)."""
-
-    direct: frozenset[str] = frozenset()  # targets the caller stages itself (no shadow)
-    received: int | None = None  # a version received whole, not live yet (go_live)
 
     def __init__(self, targets: Mapping[str, torch.Tensor] | None = None,
                  layouts: Mapping[str, Layout] | None = None, *,
@@ -69,20 +124,12 @@ class RefitReceiver(Side):
         side's that makes them (and this rank's targets) with ``prepare``."""
         if staging not in ("shadow", "none"):
             raise ConfigError(f"staging must be 'shadow' or 'none', got {staging!r}")
-        if (prepare is None) == (targets is None or layouts is None) or (
-                prepare is not None and (targets is not None or layouts is not None)):
-            raise ConfigError("give targets and layouts, or prepare= (not both)")
+        check_targets_or_prepare(targets, layouts, prepare)
         self.staging = staging
         if prepare is not None:
             return self._preparing(prepare)
         self._take(targets, direct)
         return layouts
-
-    def _take(self, targets: Mapping[str, torch.Tensor], direct: Collection[str]) -> None:
-        unknown = sorted(set(direct) - set(targets))
-        if unknown:
-            raise ConfigError(f"direct names targets that do not exist: {unknown[:5]}")
-        self.targets, self.direct = dict(targets), frozenset(direct)
 
     def _preparing(self, prepare: Prepare) -> Callable[[Mapping[str, Layout]],
                                                        Mapping[str, Layout]]:
@@ -92,30 +139,6 @@ class RefitReceiver(Side):
             return layouts
 
         return layouts_from
-
-    def _new_shadow(self) -> dict[str, torch.Tensor]:
-        """What the transfer writes: a clone of each live target with ``staging="shadow"``
-        (not empty: regions no layout covers, such as vocabulary padding, keep their live
-        values when it is copied over), the target itself otherwise."""
-        if self.staging == "none":
-            return self.targets
-        return {n: t if n in self.direct else t.detach().clone()
-                for n, t in self.targets.items()}
-
-    @property
-    def shadow_bytes(self) -> int:
-        """Extra memory the never-torn guarantee costs on this rank."""
-        if self.staging == "none":
-            return 0
-        return sum(t.numel() * t.element_size() for n, t in self.shadow.items()
-                   if n not in self.direct)
-
-    def _go_live(self) -> None:
-        if self.staging == "shadow":
-            with torch.no_grad():
-                for name, live in self.targets.items():
-                    if name not in self.direct:
-                        live.copy_(self.shadow[name])
 
     def refit(self, go_live: bool = True, ready: Callable[[], None] | None = None
               ) -> RefitStats:
@@ -145,11 +168,9 @@ class RefitReceiver(Side):
     def go_live(self) -> int:
         """Copy the last version received whole over the live targets (after
         ``refit(go_live=False)``; :meth:`refit` does it by default); returns it."""
-        if self.received is None:
-            raise ConfigError("go_live: no version was received whole since the last one "
-                              "went live")
+        version = self._received_version()
         self._go_live()
-        self.version, self.received = self.received, None
+        self.version = version
         return self.version
 
     def reconnect(self, host: str, port: int, *, rank: int | None = None,

@@ -78,15 +78,12 @@ class Peers:
         ranks) as replica ``replica``, with the targets the bootstrap filled; the live
         weights and the version are kept (a sparse refit may build on them), and the
         fleet's next refit is this engine's like any other replica's."""
-        from reshard.refit.elastic import ElasticReceiver
-
         old = self.receiver
         self.token = token if token is not None else self.token
-        self.receiver = ElasticReceiver(
-            old.targets, self.mapping.layouts, direct=old.direct, host=host, port=port,
-            replica_id=replica, rank=self.rank, tp_size=self.inference_size,
-            budget_bytes=self.budget_bytes, timeout=timedelta(seconds=self.timeout_s),
-            token=self.token, fanout=fanout)
+        self.receiver = self._replica_receiver(host, port, replica, fanout,
+                                               targets=old.targets,
+                                               layouts=self.mapping.layouts,
+                                               direct=old.direct)
         self.receiver.version = self._version
         return self.info()
 

@@ -90,6 +90,7 @@ from reshard.integrations.vllm.mapping import (
 from reshard.integrations.vllm.memory import HeapBound, reset_peak_rss, rss_bytes
 from reshard.integrations.vllm.peers import Peers
 from reshard.integrations.vllm.verify import Checks
+from reshard.refit.elastic import ElasticReceiver
 from reshard.refit.sparse import sparse_summary
 
 __all__ = ["ReshardState", "check_heap_slack", "map_or_explain", "require_plugin"]
@@ -204,23 +205,27 @@ class ReshardState(Commit, Checks, Peers):
                     token=self.token,
                     quant=quant_format(self.vllm_config.model_config.hf_config))
 
-    def _replica_receiver(self, host: str, port: int, replica: str, fanout: str) -> Any:
+    def _replica_receiver(self, host: str, port: int, replica: str, fanout: str,
+                          **tensors: Any) -> Any:
         """This rank's :class:`~reshard.refit.elastic.ElasticReceiver` in the trainer's
         fleet: the mapping made from the trainer's layouts (read from its store before
-        the replica asks to join), the logical buffers its own staging."""
-        from reshard.refit.elastic import ElasticReceiver
-
+        the replica asks to join), the logical buffers its own staging; or ``tensors``
+        (targets, layouts, direct) already made (a bootstrapped engine's)."""
         if self.staging != "shadow":
             raise ConfigError("a replica of an elastic fleet stages in a shadow: "
                               f"staging={self.staging!r} is not offered there")
         if quant_format(self.vllm_config.model_config.hf_config) is not None:
             raise ConfigError("a quantized (FP8) engine cannot join an elastic fleet yet: "
                               "meet the trainer with reshard_init")
-        return ElasticReceiver(prepare=self._prepare_from, host=host, port=port,
-                               replica_id=replica, rank=self.rank,
+        return ElasticReceiver(host=host, port=port, replica_id=replica, rank=self.rank,
                                tp_size=self.inference_size, budget_bytes=self.budget_bytes,
                                timeout=timedelta(seconds=self.timeout_s), token=self.token,
-                               fanout=fanout)
+                               fanout=fanout, **(tensors or {"prepare": self._prepare_from}))
+
+    @property
+    def in_fleet(self) -> bool:
+        """Whether this engine is a replica of the trainer's fleet (an elastic group)."""
+        return isinstance(self.receiver, ElasticReceiver)
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self.forwards += 1
@@ -439,7 +444,7 @@ class ReshardState(Commit, Checks, Peers):
         """Meet the trainer again at a new ``host:port`` after a lost worker (collective
         with the trainer ranks' ``RefitSender.reconnect`` or fresh senders): the live
         weights and the version are kept; the mapping and the buffers are remade."""
-        if not hasattr(self.receiver, "reconnect"):
+        if self.in_fleet:
             raise ConfigError("a replica of an elastic fleet does not reconnect: the fleet "
                               "drops a replica it lost; join again under a new id")
         self.receiver.reconnect(host, port, timeout=timedelta(seconds=timeout_s))
@@ -447,9 +452,9 @@ class ReshardState(Commit, Checks, Peers):
 
     def close(self) -> None:
         self._counting.remove()
-        if hasattr(self.receiver, "reconnect"):
-            self.receiver.comm.close()
-        else:  # an elastic replica: its epoch's group, if it formed one
+        if self.in_fleet:  # its epoch's group, if it formed one
             self.receiver.close()
+        else:
+            self.receiver.comm.close()
 
 

@@ -107,9 +107,8 @@ class ReshardWorkerExtension:
         (:data:`reshard.defaults.DEFAULT_COMMIT_HEAP_SLACK_BYTES`). After
         :meth:`reshard_bootstrap` the filled state meets the trainer instead, keeping its
         version and weights (only ``token`` is read of the options)."""
-        state = getattr(self, "_reshard", None)
-        if state is not None and state.bootstrapped and state.version != NO_VERSION:
-            _filled.state = None
+        state = self._reshard_filled()
+        if state is not None:
             return state.meet_trainer(host, port, trainer_size, token)
         self._reshard_drop()
         size = inference_size or self.vllm_config.parallel_config.world_size
@@ -138,9 +137,8 @@ class ReshardWorkerExtension:
         :meth:`reshard_init`; returns sizes. After :meth:`reshard_bootstrap` the filled
         state joins instead, keeping its version and weights (only ``fanout`` and
         ``token`` are read of the options)."""
-        state = getattr(self, "_reshard", None)
-        if state is not None and state.bootstrapped and state.version != NO_VERSION:
-            _filled.state = None
+        state = self._reshard_filled()
+        if state is not None:
             return state.join_fleet(host, port, str(replica), fanout, token)
         self._reshard_drop()
         self._reshard = ReshardState(
@@ -157,7 +155,7 @@ class ReshardWorkerExtension:
         still takes part in a refit already announced; the next :meth:`reshard_refit`
         finds it out (``ok: False``). Its weights and version stay."""
         state = self._reshard_state()
-        if not hasattr(state.receiver, "leave"):
+        if not state.in_fleet:
             raise ConfigError("reshard_leave: this engine is not a replica of a fleet "
                               "(reshard_join)")
         state.receiver.leave()
@@ -260,6 +258,15 @@ class ReshardWorkerExtension:
         if state is not None:
             state.close()
             self._reshard = None
+
+    def _reshard_filled(self) -> ReshardState | None:
+        """This rank's state if a bootstrap filled it (a version, no trainer met yet):
+        taken from the protocol's holder, for the trainer or the fleet to meet."""
+        state = getattr(self, "_reshard", None)
+        if state is None or not state.bootstrapped or state.version == NO_VERSION:
+            return None
+        _filled.state = None
+        return state
 
     def _reshard_state(self) -> ReshardState:
         """The newest of the extension's own state and the ``reshard`` backend's."""
