@@ -107,6 +107,11 @@ def engine(rank, port, mode, out):
 
 def _guard(f):
     def run(*args):
+        # forked from pytest, whose earlier tests may have run OpenMP teams: a parallel
+        # region here would wait for threads that were not forked (the first large
+        # torch op hung, after the unit tests in one session); one thread keeps ATen
+        # out of OpenMP
+        torch.set_num_threads(1)
         try:
             f(*args)
         except BaseException:

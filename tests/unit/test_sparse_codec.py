@@ -3,11 +3,14 @@ the cheapest chosen by bytes, and a region of any strides written in place."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reshard._transport import native
 from reshard._transport import sparse as codec
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
@@ -113,3 +116,93 @@ def test_few_changes_positions_read_off_the_packed_mask_are_exact(n, frac, seed,
         assert torch.equal(enc.index, want)
         assert torch.equal(_bits(enc.values), _bits(new[want]))
     assert torch.equal(_bits(copy), _bits(new))
+
+
+def _scratch(dtype, n):
+    return torch.full((n,), 0x5A if dtype != torch.bool else 1, dtype=torch.uint8).view(
+        dtype)[:n] if dtype.itemsize == 1 else torch.empty(n, dtype=dtype)
+
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no C compiler: the fused pass is not built here")
+
+
+def test_the_fused_pass_is_built_where_a_compiler_is():
+    assert (native.library() is not None) == (native.compiler() is not None) or (
+        os.environ.get("RESHARD_NATIVE") == "0")
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 3000), frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1),
+       same=st.sampled_from([None, torch.bfloat16, torch.float16, torch.float32, torch.int8]),
+       specials=st.booleans())
+def test_the_fused_pass_encodes_as_the_torch_cast_and_scans_do(n, frac, seed, same, specials):
+    """float32 into bfloat16 (from any bit pattern: subnormals, infinities, ties of the
+    rounding) or a source of the copy's own dtype: the fused pass gives the same
+    encoding, payload and updated copy as torch's cast then :func:`codec.encode`; a
+    NaN in a float32 source sends the region whole, as torch casts it."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    src = raw.view(torch.float32)
+    if same is None:
+        nan = torch.isnan(src)
+        src[nan] = src[nan].sign_() * 1e-40  # NaNs only where asked (subnormals instead)
+        if specials and n >= 8:
+            ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000, -0x80000000,
+                                 0x7F800000], dtype=torch.int64).to(torch.int32)
+            src[:6] = ties.view(torch.float32)
+            src[7] = float("nan")
+        old = src.to(torch.bfloat16)
+    else:
+        src = src.view(torch.int8)[:n].clone().view(same) if same.itemsize == 1 else (
+            raw.view(torch.int16)[:n].clone().view(same) if same.itemsize == 2 else src)
+        old = src.clone()
+    keep = torch.rand(n, generator=g) >= frac  # the copy holds these elements still
+    flip = old.clone()
+    w = {1: torch.int8, 2: torch.int16, 4: torch.int32}[old.element_size()]
+    flip.view(w)[~keep] ^= 1  # one bit off: the copy is a version behind there
+    copy_a, copy_b = flip.clone(), flip.clone()
+    want = codec.encode(src.to(old.dtype), copy_a, update=True)
+    got = codec.encode_fused(src, copy_b, _scratch)
+    assert got is not None
+    assert torch.equal(_bits(copy_b), _bits(copy_a))
+    assert (got.kind, got.count, got.nbytes) == (want.kind, want.count, want.nbytes) or (
+        specials and same is None and n >= 8 and got.kind == codec.DENSE)
+    if got.kind == want.kind:
+        a, b = (torch.zeros(e.nbytes, dtype=torch.uint8) for e in (want, got))
+        codec.write_payload(want, a)
+        codec.write_payload(got, b)
+        assert torch.equal(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize("shape,cut", [((9, 70), (slice(2, 8), slice(3, 68))),
+                                       ((4, 5, 130), (slice(1, 3), slice(None), slice(1, 129))),
+                                       ((6, 64), (slice(None), slice(0, 64))),
+                                       ((1, 1000), (slice(None), slice(5, 900)))])
+def test_the_fused_pass_reads_a_slice_of_rows_or_columns_in_place(shape, cut):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(shape, generator=g)
+    src = base[cut]
+    old = src.to(torch.bfloat16).reshape(-1)
+    hit = torch.rand(src.shape, generator=g) < 0.05
+    src[hit] += 1.0
+    copy_a, copy_b = old.clone(), old.clone()
+    want = codec.encode(src.reshape(-1).to(torch.bfloat16), copy_a, update=True)
+    got = codec.encode_fused(src, copy_b, _scratch)
+    assert got is not None and torch.equal(_bits(copy_a), _bits(copy_b))
+    a, b = (torch.zeros(e.nbytes, dtype=torch.uint8) for e in (want, got))
+    codec.write_payload(want, a)
+    codec.write_payload(got, b)
+    assert (got.kind, got.count) == (want.kind, want.count) and torch.equal(a, b)
+
+
+@needs_native
+def test_the_fused_pass_leaves_other_strides_to_the_scans():
+    src = torch.randn(8, 6).t()  # a column of a row-major tensor is not a row
+    assert codec.encode_fused(src, torch.zeros(48, dtype=torch.bfloat16), _scratch) is None
+    assert codec.encode_fused(torch.randn(8, 6)[::2, :5], torch.zeros(20, dtype=torch.bfloat16),
+                              _scratch) is not None  # rows at a stride: read in place
+    assert codec.encode_fused(torch.randn(32), torch.zeros(32, dtype=torch.float16),
+                              _scratch) is None  # a cast it does not do

@@ -16,20 +16,27 @@ region (``n`` elements of ``itemsize`` bytes, ``m`` of them changed):
 Each part starts 8-byte aligned within a region's payload (so values can be viewed in
 place); ``payload_nbytes`` counts that.
 
-On the host the scans over a whole region (compare, count, positions, bits) run in
-numpy, whose kernels for them are 3-10x torch's on one CPU thread (one bool per element,
-vectorized); on an accelerator they stay in torch.
+On the host a region whose source is rows of contiguous elements (float32 into
+bfloat16, or of the engine's own dtype) is cast, compared, and its changes found and
+written into the copy in one native pass (:func:`encode_fused`,
+:mod:`reshard._transport.native`); otherwise (or with no C compiler) the scans over a
+whole region (compare, count, positions, bits) run in numpy,
+whose kernels for them are 3-10x torch's on one CPU thread; on an accelerator they stay
+in torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from reshard._transport import native
+
 __all__ = ["DENSE", "ENCODINGS", "Encoded", "apply", "cheapest", "decode", "diff", "encode",
-           "payload_nbytes", "positions"]
+           "encode_fused", "payload_nbytes", "positions"]
 
 DENSE, BITMAP, OFFSETS32, OFFSETS16 = 0, 1, 2, 3
 ENCODINGS = ("dense", "bitmap", "offsets32", "offsets16")
@@ -68,8 +75,8 @@ def cheapest(n: int, m: int, itemsize: int, *, sparse: bool = True) -> int:
 @dataclass
 class Encoded:
     """One region, encoded: ``parts`` laid end to end (each 8-aligned) are its payload;
-    ``index`` (flat positions of the changed elements, None for dense) and ``values``
-    are kept to update the sender's copy once the version is committed."""
+    ``index``: the flat positions of the changed elements (None for dense, and for a
+    bitmap :func:`encode_fused` found), ``values`` their values."""
 
     kind: int
     count: int  # changed elements (dense: the region's whole size)
@@ -132,6 +139,43 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, sparse: bool = True,
             index.to(torch.int32 if kind == OFFSETS32 else torch.int16))
         if update:
             old.copy_(new) if kind == BITMAP else old.index_put_((index,), values)
+    return Encoded(kind, m, payload_nbytes(kind, n, m, itemsize), [head, _bytes(values)],
+                   index, values)
+
+
+def encode_fused(src: torch.Tensor, old: torch.Tensor,
+                 scratch: Callable[[torch.dtype, int], torch.Tensor]) -> Encoded | None:
+    """:func:`encode` with ``update``, from the region's source itself: ``src`` (any
+    shape, rows of contiguous elements at one stride, as a slice of a row-major tensor's
+    rows or columns; float32 into a bfloat16 ``old``, or ``old``'s own dtype) cast,
+    compared with ``old`` (flat) and its changes written into it in one native pass
+    (:func:`reshard.native.diff`). ``scratch(dtype, n)`` lends work buffers (read
+    here only). None, with nothing done, where that pass does not run (no compiler, a
+    source of other strides, another cast): the caller casts and calls :func:`encode`."""
+    if not native.supports(src, old):
+        return None
+    n, itemsize = old.numel(), old.element_size()
+    cap = n // 16 + 8  # more changed than this: a bitmap or dense is cheaper than offsets
+    values, pos = scratch(old.dtype, n), scratch(torch.int32, cap)
+    bits = scratch(torch.uint8, (n + 7) // 8)
+    m = native.diff(src, old, values, pos, bits)
+    if m < 0:  # a NaN: torch's own cast (its NaN differs between its loops), sent whole
+        old.view(src.shape).copy_(src)
+        return Encoded(DENSE, n, n * itemsize, [_bytes(old)], None, old)
+    kind = cheapest(n, m, itemsize)
+    if kind == DENSE:
+        return Encoded(DENSE, m, n * itemsize, [_bytes(old)], None, old)
+    if m == 0:
+        return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64), old[:0])
+    values = values[:m].clone()
+    if kind == BITMAP:
+        head, index = bits.clone(), None
+    else:
+        assert m <= cap, (m, cap, n)
+        index = pos[:m]
+        head = _bytes(index.clone() if kind == OFFSETS32 else torch.from_numpy(
+            index.numpy().astype(np.int16)))
+        index = index.to(torch.int64)
     return Encoded(kind, m, payload_nbytes(kind, n, m, itemsize), [head, _bytes(values)],
                    index, values)
 

@@ -231,10 +231,13 @@ class SparseRunner:
             copy.changed = 1.0
             return codec.Encoded(codec.DENSE, n, h.nbytes, [last.view(torch.uint8)], None,
                                  last)
-        new = self._scratch(last.dtype, read.device, n)
-        new.view(h.size).copy_(read)
-        enc = codec.encode(new, last, mask=self._scratch(torch.bool, read.device, n),
-                           update=True)
+        enc = codec.encode_fused(read, last, lambda dtype, k: self._scratch(
+            dtype, read.device, k))
+        if enc is None:  # cast into a scratch buffer, then the scans
+            new = self._scratch(last.dtype, read.device, n)
+            new.view(h.size).copy_(read)
+            enc = codec.encode(new, last, mask=self._scratch(torch.bool, read.device, n),
+                               update=True)
         copy.changed = enc.count / n if n else 0.0
         return enc
 

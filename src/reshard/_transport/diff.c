@@ -1,0 +1,102 @@
+/* The fused pass of a sparse refit's change detection (reshard._transport.native builds
+ * and loads it; reshard._transport.sparse.encode_fused calls it).
+ *
+ * One pass over a region of `rows` x `cols` elements (row r of the source at
+ * src + r * stride, the copy `old` flat): each source element (cast to bfloat16 first,
+ * for the float32 variant) is compared bit for bit with the copy; every changed element's
+ * new value is written to `values` (in row-major order), its flat position to `pos`
+ * (while fewer than `cap` were found), its bit into `bits` (OR-ed in: the caller zeroes
+ * it; element i at bit i % 8 of byte i / 8; may be NULL), and into `old`. Returns how
+ * many changed, or -1 when a float32 element is a NaN (then `old` is partly written: the
+ * caller casts the region again with torch, whose own NaN differs between its vector and
+ * scalar loops, and sends it whole).
+ *
+ * The cast is torch's (c10's and its vector loops'): round to nearest even on the bits,
+ * subnormals kept. Blocks of 64 elements are cast and compared by straight-line loops a
+ * compiler vectorizes for the host; a block with no change costs no more than that.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64
+
+static inline uint16_t to_bf16(uint32_t u) {
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint64_t gather_bits(const uint8_t *ne, int k) {
+    /* k (<= 64) flags of 0 or 1 as the bits of a word: eight at a time, a multiply moves
+     * each byte's flag to its bit of the top byte */
+    uint64_t w = 0;
+    for (int b = 0; b * 8 < k; b++) {
+        uint64_t x = 0;
+        memcpy(&x, ne + 8 * b, (size_t)(k - 8 * b < 8 ? k - 8 * b : 8));
+        w |= ((x * 0x0102040810204080ull) >> 56) << (8 * b);
+    }
+    return w;
+}
+
+static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
+    /* the k bits of w, for elements at, at + 1, ..., OR-ed into the bitmap */
+    uint8_t *p = bits + at / 8;
+    int shift = (int)(at % 8), last = (shift + k - 1) / 8;
+    for (int j = 0; j <= last; j++) {
+        int lo = 8 * j - shift; /* the bit of w at this byte's bit 0 */
+        p[j] |= (uint8_t)(lo >= 0 ? w >> lo : w << -lo);
+    }
+}
+
+#define SAME(u) (u)
+#define NO_NAN(u) 0
+#define F32_NAN(u) (((u) & 0x7FFFFFFFu) > 0x7F800000u)
+
+/* one block's cast and compare, K elements from column c */
+#define SCAN(K, CONVERT, IS_NAN)                                                          \
+    for (int j = 0; j < (K); j++) {                                                       \
+        nan |= IS_NAN(row[c + j]);                                                        \
+        nb[j] = CONVERT(row[c + j]);                                                      \
+        ne[j] = nb[j] != was[c + j];                                                      \
+        any |= ne[j];                                                                     \
+    }
+
+/* NAME(src, rows, cols, stride, old, values, pos, cap, bits): source elements of type S,
+ * the copy's of type T, CONVERT(S) -> T, IS_NAN(S) */
+#define DIFF(NAME, S, T, CONVERT, IS_NAN)                                                 \
+    int64_t NAME(const S *restrict src, int64_t rows, int64_t cols, int64_t stride,       \
+                 T *restrict old, T *restrict values, int32_t *restrict pos, int64_t cap, \
+                 uint8_t *restrict bits) {                                                \
+        int64_t m = 0;                                                                    \
+        for (int64_t r = 0; r < rows; r++) {                                              \
+            const S *row = src + r * stride;                                              \
+            T *was = old + r * cols;                                                      \
+            for (int64_t c = 0; c < cols; c += BLOCK) {                                   \
+                int k = cols - c < BLOCK ? (int)(cols - c) : BLOCK;                       \
+                T nb[BLOCK];                                                              \
+                uint8_t ne[BLOCK];                                                        \
+                uint32_t nan = 0, any = 0;                                                \
+                if (k == BLOCK) { /* a constant trip count: vectorized whole */        \
+                    SCAN(BLOCK, CONVERT, IS_NAN)                                          \
+                } else {                                                                  \
+                    SCAN(k, CONVERT, IS_NAN)                                              \
+                }                                                                         \
+                if (nan) return -1;                                                       \
+                if (!any) continue;                                                       \
+                uint64_t w = gather_bits(ne, k);                                          \
+                int64_t at = r * cols + c;                                                \
+                if (bits) or_bits(bits, at, w, k);                                           \
+                while (w) {                                                               \
+                    int j = __builtin_ctzll(w);                                           \
+                    w &= w - 1;                                                           \
+                    if (m < cap) pos[m] = (int32_t)(at + j);                              \
+                    values[m++] = nb[j];                                                  \
+                    was[c + j] = nb[j];                                                   \
+                }                                                                         \
+            }                                                                             \
+        }                                                                                 \
+        return m;                                                                         \
+    }
+
+DIFF(reshard_diff_f32_bf16, uint32_t, uint16_t, to_bf16, F32_NAN)
+DIFF(reshard_diff_u8, uint8_t, uint8_t, SAME, NO_NAN)
+DIFF(reshard_diff_u16, uint16_t, uint16_t, SAME, NO_NAN)
+DIFF(reshard_diff_u32, uint32_t, uint32_t, SAME, NO_NAN)

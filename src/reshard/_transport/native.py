@@ -1,0 +1,168 @@
+"""Native kernels, built for this host at first use.
+
+One C file (``diff.c``): the fused pass of a sparse refit's change detection, the cast
+to the engine's dtype, the compare with the sender's copy, the changed elements'
+positions, values and bits and the copy's update in one read of the region
+(:mod:`reshard._transport.sparse` uses it). No library offers that pass: torch and numpy
+run it as five passes over memory, which on a CPU cost more than the wire they save.
+
+The file is compiled with the host's C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``) for the host's own instructions (``-march=native``) into a cache folder
+(``$RESHARD_CACHE_DIR``, else ``$XDG_CACHE_HOME/reshard``, else ``~/.cache/reshard``),
+keyed by the source, the compiler and the CPU's flags: about a second, once per host.
+Without a compiler, or with ``RESHARD_NATIVE=0``, :func:`library` is None and the
+callers take their torch / numpy path (the same results, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["compiler", "diff", "library", "supports"]
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("diff.c")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_INT = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_SAME = {1: "reshard_diff_u8", 2: "reshard_diff_u16", 4: "reshard_diff_u32"}
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("RESHARD_CACHE_DIR"):
+        return Path(os.environ["RESHARD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "reshard"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        log.info("reshard: no C compiler; sparse refits detect changes in torch/numpy")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    folder = _cache_dir()
+    path = folder / f"diff-{key}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)  # then renamed: atomic
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode != 0:
+                log.warning("reshard: compiling %s failed (%s); sparse refits detect "
+                            "changes in torch/numpy", _SOURCE.name, done.stderr.strip()[-500:])
+                return None
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    for name in ("reshard_diff_f32_bf16", *_SAME.values()):
+        fn = getattr(lib, name)
+        fn.restype = _INT
+        fn.argtypes = [_PTR, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels, built on first call (None: disabled, or no compiler here)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("RESHARD_NATIVE", "1") != "0":
+                try:
+                    _lib = _build()
+                except (OSError, subprocess.SubprocessError) as e:
+                    log.warning("reshard: native kernels unavailable (%s)", e)
+            _tried = True
+    return _lib
+
+
+def _rows(src: torch.Tensor) -> tuple[int, int, int] | None:
+    """``src`` as rows of contiguous elements at one stride: (rows, cols, row stride),
+    or None when it is not (a column of a transposed tensor, a gappy slice)."""
+    if src.dim() == 0 or src.numel() == 0:
+        return 1, src.numel(), 0
+    cols = src.shape[-1]
+    if src.stride(-1) != 1 and cols != 1:
+        return None
+    rows, stride = 1, cols
+    for size, st in zip(reversed(src.shape[:-1]), reversed(src.stride()[:-1])):
+        if size == 1:
+            continue
+        if rows == 1:
+            rows, stride = size, st
+        elif st == stride * rows:
+            rows *= size
+        else:
+            return None
+    return rows, cols, stride
+
+
+def supports(src: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether :func:`diff` runs on this pair: both on the CPU, ``old`` flat and
+    contiguous, of ``src``'s size, fewer than 2**31 elements; ``src`` rows of contiguous
+    elements at one stride (any slice of rows or of columns of a row-major tensor), of
+    ``old``'s dtype (1, 2 or 4 bytes an element) or float32 into bfloat16."""
+    n = old.numel()
+    return (src.device.type == "cpu" and old.device.type == "cpu" and old.is_contiguous()
+            and src.numel() == n and n < 2**31
+            and (src.dtype == old.dtype and old.element_size() in _SAME
+                 or (src.dtype, old.dtype) == (torch.float32, torch.bfloat16))
+            and _rows(src) is not None and library() is not None)
+
+
+def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+         bits: torch.Tensor | None) -> int:
+    """One pass: every element of ``src`` (cast to ``old``'s dtype) that differs bit for
+    bit from ``old`` (both in row-major order) has its value written to ``values`` (in
+    order), its flat position to ``pos`` (int32, while there is room), its bit set in
+    ``bits`` (uint8, zeroed here first; element ``i`` at bit ``i % 8`` of byte ``i //
+    8``) and written into ``old``. Returns how many differ, or -1 when a float32 element
+    of ``src`` is a NaN (``old`` is then partly written: the caller rewrites it whole).
+    Only for pairs :func:`supports`."""
+    n = old.numel()
+    assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
+    rows, cols, stride = _rows(src)
+    if bits is not None:
+        bits = bits[:(n + 7) // 8]
+        bits.zero_()
+    lib = library()
+    fn = (lib.reshard_diff_f32_bf16 if src.dtype != old.dtype
+          else getattr(lib, _SAME[old.element_size()]))
+    return fn(src.data_ptr(), rows, cols, stride, old.data_ptr(), values.data_ptr(),
+              pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
