@@ -206,3 +206,34 @@ def test_the_fused_pass_leaves_other_strides_to_the_scans():
                               _scratch) is not None  # rows at a stride: read in place
     assert codec.encode_fused(torch.randn(32), torch.zeros(32, dtype=torch.float16),
                               _scratch) is None  # a cast it does not do
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 12), cols=st.integers(1, 150), frac=st.floats(0, 1),
+       seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(
+           [torch.bfloat16, torch.float32, torch.int8]), cut=st.booleans())
+def test_the_native_apply_writes_every_encoding_as_numpy_does(rows, cols, frac, seed, dtype,
+                                                               cut):
+    """A payload of each sparse encoding written into a region (all of a tensor, or a
+    slice of its rows and columns) by the native pass: the same bits as numpy's decode
+    and scatter; a payload that does not fit its header is reported."""
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(rows + 2, cols + 3, generator=g) * 40).to(dtype)
+    region = base[1:1 + rows, 2:2 + cols] if cut else base[:rows, :cols]
+    new = (torch.randn(rows * cols, generator=g) * 40).to(dtype)
+    old = region.reshape(-1).clone()
+    keep = torch.rand(rows * cols, generator=g) >= frac
+    new[keep] = old[keep]
+    n = rows * cols
+    for kind in (codec.BITMAP, codec.OFFSETS32) + ((codec.OFFSETS16,) if n <= 65536 else ()):
+        enc, want = _roundtrip(new, old, kind)
+        body = torch.zeros(enc.nbytes, dtype=torch.uint8)
+        codec.write_payload(enc, body)
+        got_base = base.clone()
+        got = got_base[1:1 + rows, 2:2 + cols] if cut else got_base[:rows, :cols]
+        assert codec.decode_into(got, kind, n, enc.count, body)
+        assert torch.equal(_bits(got.reshape(-1)), _bits(want)), kind
+        if enc.count:  # one changed element fewer than the header says: caught
+            assert not codec.decode_into(got, kind, n, enc.count + 1, torch.cat(
+                [body, torch.zeros(16, dtype=torch.uint8)])) or kind != codec.BITMAP

@@ -100,3 +100,46 @@ DIFF(reshard_diff_f32_bf16, uint32_t, uint16_t, to_bf16, F32_NAN)
 DIFF(reshard_diff_u8, uint8_t, uint8_t, SAME, NO_NAN)
 DIFF(reshard_diff_u16, uint16_t, uint16_t, SAME, NO_NAN)
 DIFF(reshard_diff_u32, uint32_t, uint32_t, SAME, NO_NAN)
+
+/* The receiver's side: a region's payload applied in place. `kind` 1: `index` is a bitmap
+ * of the region's n elements (as above); 2: `m` int32 flat positions; 3: `m` 16-bit flat
+ * positions (unsigned). The k-th changed element (ascending) takes values[k]; flat
+ * position p is row p / cols, column p % cols of the region (row r at dst + r * stride).
+ * Returns how many were written (a bitmap's set bits, which the caller checks against
+ * the header's count before trusting the region). */
+static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride) {
+    return stride == cols ? p : (p / cols) * stride + p % cols;
+}
+
+#define APPLY(NAME, T)                                                                    \
+    int64_t NAME(T *restrict dst, int64_t rows, int64_t cols, int64_t stride, int kind,   \
+                 const void *restrict index, int64_t m, const T *restrict values) {       \
+        int64_t n = rows * cols, k = 0;                                                   \
+        if (kind == 2 || kind == 3) {                                                     \
+            for (; k < m; k++) {                                                          \
+                int64_t p = kind == 2 ? (int64_t)((const int32_t *)index)[k]              \
+                                      : (int64_t)((const uint16_t *)index)[k];            \
+                if (p < 0 || p >= n) return -1;                                           \
+                dst[at_of(p, cols, stride)] = values[k];                                  \
+            }                                                                             \
+            return k;                                                                     \
+        }                                                                                 \
+        const uint8_t *bits = (const uint8_t *)index;                                     \
+        for (int64_t i = 0; i < n; i += 64) {                                             \
+            uint64_t w = 0;                                                               \
+            int64_t bytes = (n - i + 7) / 8 < 8 ? (n - i + 7) / 8 : 8;                    \
+            memcpy(&w, bits + i / 8, (size_t)bytes);                                      \
+            if (n - i < 64) w &= (1ull << (n - i)) - 1;                                   \
+            while (w) {                                                                   \
+                int j = __builtin_ctzll(w);                                               \
+                w &= w - 1;                                                               \
+                if (k >= m) return -1;                                                    \
+                dst[at_of(i + j, cols, stride)] = values[k++];                            \
+            }                                                                             \
+        }                                                                                 \
+        return k;                                                                         \
+    }
+
+APPLY(reshard_apply_u8, uint8_t)
+APPLY(reshard_apply_u16, uint16_t)
+APPLY(reshard_apply_u32, uint32_t)

@@ -2,8 +2,9 @@
 
 One C file (``diff.c``): the fused pass of a sparse refit's change detection, the cast
 to the engine's dtype, the compare with the sender's copy, the changed elements'
-positions, values and bits and the copy's update in one read of the region
-(:mod:`reshard._transport.sparse` uses it). No library offers that pass: torch and numpy
+positions, values and bits and the copy's update in one read of the region; and the
+receiver's, a region's payload (bitmap or offsets, and values) written in place
+(:mod:`reshard._transport.sparse` uses both). No library offers that pass: torch and numpy
 run it as five passes over memory, which on a CPU cost more than the wire they save.
 
 The file is compiled with the host's C compiler (``$CC``, else ``cc``, ``gcc`` or
@@ -22,13 +23,14 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["compiler", "diff", "library", "supports"]
+__all__ = ["apply", "compiler", "diff", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -39,6 +41,7 @@ _tried = False
 _INT = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _SAME = {1: "reshard_diff_u8", 2: "reshard_diff_u16", 4: "reshard_diff_u32"}
+_APPLY = {1: "reshard_apply_u8", 2: "reshard_apply_u16", 4: "reshard_apply_u32"}
 
 
 def _cache_dir() -> Path:
@@ -93,6 +96,10 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = _INT
         fn.argtypes = [_PTR, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
+    for name in _APPLY.values():
+        fn = getattr(lib, name)
+        fn.restype = _INT
+        fn.argtypes = [_PTR, _INT, _INT, _INT, ctypes.c_int, _PTR, _INT, _PTR]
     return lib
 
 
@@ -103,7 +110,7 @@ def library() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            if os.environ.get("RESHARD_NATIVE", "1") != "0":
+            if os.environ.get("RESHARD_NATIVE", "1") != "0" and sys.byteorder == "little":
                 try:
                     _lib = _build()
                 except (OSError, subprocess.SubprocessError) as e:
@@ -166,3 +173,24 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
           else getattr(lib, _SAME[old.element_size()]))
     return fn(src.data_ptr(), rows, cols, stride, old.data_ptr(), values.data_ptr(),
               pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
+
+
+def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
+          values: torch.Tensor) -> int | None:
+    """Write a sparse region's ``m`` changed ``values`` into ``region`` in place (any
+    rows of contiguous elements at one stride): ``kind`` 1, ``index`` its bitmap (uint8);
+    2, int32 flat positions; 3, 16-bit ones. Returns how many were written (a bitmap's
+    set bits; -1 if a position lies outside the region or the bitmap has more than
+    ``m``), or None where this does not run (no kernels, another element width, a
+    region of other strides, not on the CPU): the caller applies it in numpy."""
+    if (region.device.type != "cpu" or region.element_size() not in _APPLY
+            or values.dtype != region.dtype or not values.is_contiguous()
+            or not index.is_contiguous()):
+        return None
+    shape = _rows(region)
+    if shape is None or library() is None:
+        return None
+    rows, cols, stride = shape
+    fn = getattr(library(), _APPLY[region.element_size()])
+    return fn(region.data_ptr(), rows, cols, stride, kind, index.data_ptr(), m,
+              values.data_ptr())

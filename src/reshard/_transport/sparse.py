@@ -35,8 +35,8 @@ import torch
 
 from reshard._transport import native
 
-__all__ = ["DENSE", "ENCODINGS", "Encoded", "apply", "cheapest", "decode", "diff", "encode",
-           "encode_fused", "payload_nbytes", "positions"]
+__all__ = ["DENSE", "ENCODINGS", "Encoded", "apply", "cheapest", "decode", "decode_into",
+           "diff", "encode", "encode_fused", "payload_nbytes", "positions"]
 
 DENSE, BITMAP, OFFSETS32, OFFSETS16 = 0, 1, 2, 3
 ENCODINGS = ("dense", "bitmap", "offsets32", "offsets16")
@@ -262,6 +262,27 @@ def decode(kind: int, n: int, m: int, payload: torch.Tensor, dtype: torch.dtype
     else:
         index = payload[:head].view(torch.int16).to(torch.int64) & 0xFFFF
     return index, values
+
+
+def decode_into(region: torch.Tensor, kind: int, n: int, m: int, payload: torch.Tensor
+                ) -> bool:
+    """:func:`decode` then :func:`apply` into ``region`` (a view, any strides; its dtype
+    the payload's). On the host a sparse payload is written in one native pass
+    (:func:`reshard._transport.native.apply`) where the region is rows of contiguous
+    elements; False if the payload does not fit its header (positions outside the
+    region, more bits set than ``m``, or fewer): the region is then not to be trusted."""
+    if kind != DENSE and m:
+        head = _index_nbytes(kind, n, m)
+        start = _aligned(head)
+        itemsize = region.element_size()
+        values = payload[start:start + m * itemsize].view(region.dtype)
+        done = native.apply(region, {BITMAP: 1, OFFSETS32: 2, OFFSETS16: 3}[kind],
+                            payload[:head], m, values)
+        if done is not None:
+            return done == m
+    index, values = decode(kind, n, m, payload, region.dtype)
+    apply(region, index, values)
+    return True
 
 
 def apply(region: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:

@@ -399,8 +399,11 @@ class SparseRunner:
                     self.views.write(h).copy_(temps[j].view(dtype).view(h.size))
             elif size:  # nothing changed: no payload (a step may carry no body at all)
                 pos = -(-pos // 8) * 8
-                index, values = codec.decode(kind, n, count, body[pos:pos + size], dtype)
-                codec.apply(self.views.write(h), index, values)
+                if not codec.decode_into(self.views.write(h), kind, n, count,
+                                         body[pos:pos + size]):
+                    self.corrupt = self.corrupt or (
+                        f"the sparse message from rank {peer} in step {k} does not match "
+                        f"its header (region {h.name})")
                 pos += size
             stats.add(kind, size, count, n)
             stats.dense_bytes += h.nbytes
