@@ -101,12 +101,14 @@ DIFF(reshard_diff_u8, uint8_t, uint8_t, SAME, NO_NAN)
 DIFF(reshard_diff_u16, uint16_t, uint16_t, SAME, NO_NAN)
 DIFF(reshard_diff_u32, uint32_t, uint32_t, SAME, NO_NAN)
 
-/* The receiver's side: a region's payload applied in place. `kind` 1: `index` is a bitmap
- * of the region's n elements (as above); 2: `m` int32 flat positions; 3: `m` 16-bit flat
- * positions (unsigned). The k-th changed element (ascending) takes values[k]; flat
- * position p is row p / cols, column p % cols of the region (row r at dst + r * stride).
- * Returns how many were written (a bitmap's set bits, which the caller checks against
- * the header's count before trusting the region). */
+/* The receiver's side: a region's payload applied in place. `kind` is the codec's
+ * encoding (reshard._transport.sparse): 1 (bitmap), `index` a bitmap of the region's n
+ * elements (as above); 2 (offsets32), `m` int32 flat positions; 3 (offsets16), `m`
+ * 16-bit flat positions (unsigned). The k-th changed element (ascending) takes
+ * values[k]; flat position p is row p / cols, column p % cols of the region (row r at
+ * dst + r * stride). Returns how many were written (a bitmap's set bits, which the
+ * caller checks against the header's count before trusting the region), or -1 when a
+ * position lies outside the region or the bitmap has more than `m` bits set. */
 static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride) {
     return stride == cols ? p : (p / cols) * stride + p % cols;
 }

@@ -178,11 +178,13 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
           values: torch.Tensor) -> int | None:
     """Write a sparse region's ``m`` changed ``values`` into ``region`` in place (any
-    rows of contiguous elements at one stride): ``kind`` 1, ``index`` its bitmap (uint8);
-    2, int32 flat positions; 3, 16-bit ones. Returns how many were written (a bitmap's
-    set bits; -1 if a position lies outside the region or the bitmap has more than
-    ``m``), or None where this does not run (no kernels, another element width, a
-    region of other strides, not on the CPU): the caller applies it in numpy."""
+    rows of contiguous elements at one stride). ``kind`` is the codec's encoding
+    (:mod:`reshard._transport.sparse`): 1 (bitmap), ``index`` its bits (uint8); 2
+    (offsets32), int32 flat positions; 3 (offsets16), 16-bit ones. Returns how many
+    were written (a bitmap's set bits; -1 if a position lies outside the region or the
+    bitmap has more than ``m``), or None where this does not run (no kernels, another
+    element width, a region of other strides, not on the CPU): the caller applies it
+    in numpy."""
     if (region.device.type != "cpu" or region.element_size() not in _APPLY
             or values.dtype != region.dtype or not values.is_contiguous()
             or not index.is_contiguous()):

@@ -75,8 +75,9 @@ def cheapest(n: int, m: int, itemsize: int, *, sparse: bool = True) -> int:
 @dataclass
 class Encoded:
     """One region, encoded: ``parts`` laid end to end (each 8-aligned) are its payload;
-    ``index``: the flat positions of the changed elements (None for dense, and for a
-    bitmap :func:`encode_fused` found), ``values`` their values."""
+    ``index``: the flat positions of the changed elements, int64 (None for dense, and
+    from :func:`encode_fused`, whose positions are only in the payload), ``values``
+    their values."""
 
     kind: int
     count: int  # changed elements (dense: the region's whole size)
@@ -149,7 +150,7 @@ def encode_fused(src: torch.Tensor, old: torch.Tensor,
     shape, rows of contiguous elements at one stride, as a slice of a row-major tensor's
     rows or columns; float32 into a bfloat16 ``old``, or ``old``'s own dtype) cast,
     compared with ``old`` (flat) and its changes written into it in one native pass
-    (:func:`reshard.native.diff`). ``scratch(dtype, n)`` lends work buffers (read
+    (:func:`reshard._transport.native.diff`). ``scratch(dtype, n)`` lends work buffers (read
     here only). None, with nothing done, where that pass does not run (no compiler, a
     source of other strides, another cast): the caller casts and calls :func:`encode`."""
     if not native.supports(src, old):
@@ -167,17 +168,14 @@ def encode_fused(src: torch.Tensor, old: torch.Tensor,
         return Encoded(DENSE, m, n * itemsize, [_bytes(old)], None, old)
     if m == 0:
         return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64), old[:0])
-    values = values[:m].clone()
+    values = values[:m].clone()  # the scratch buffers serve the next region
     if kind == BITMAP:
-        head, index = bits.clone(), None
+        head = bits.clone()
     else:
         assert m <= cap, (m, cap, n)
-        index = pos[:m]
-        head = _bytes(index.clone() if kind == OFFSETS32 else torch.from_numpy(
-            index.numpy().astype(np.int16)))
-        index = index.to(torch.int64)
+        head = _offsets(pos[:m].numpy(), kind)  # a copy, in the offsets' width
     return Encoded(kind, m, payload_nbytes(kind, n, m, itemsize), [head, _bytes(values)],
-                   index, values)
+                   None, values)
 
 
 def _found_on_host(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, kind: int,
@@ -192,17 +190,19 @@ def _found_on_host(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, kin
     packed = np.packbits(bools, bitorder="little") if few or kind == BITMAP else None
     where = _set_bits(packed) if few else np.flatnonzero(bools)
     values = now[where]
-    if kind == BITMAP:
-        head = torch.from_numpy(packed)
-    else:
-        head = torch.from_numpy(where.astype(np.int32 if kind == OFFSETS32 else np.int16))
+    head = torch.from_numpy(packed) if kind == BITMAP else _offsets(where, kind)
     if update:
         if kind == BITMAP:
             old.copy_(new)
         else:
             old.view(width).numpy()[where] = values
-    return (torch.from_numpy(where), torch.from_numpy(values).view(new.dtype),
-            head.view(torch.uint8))
+    return torch.from_numpy(where), torch.from_numpy(values).view(new.dtype), head
+
+
+def _offsets(where: np.ndarray, kind: int) -> torch.Tensor:
+    """The index part of an offsets encoding: positions as int32 or 16-bit, as bytes."""
+    return torch.from_numpy(where.astype(np.int32 if kind == OFFSETS32 else np.int16)
+                            ).view(torch.uint8)
 
 
 FEW_CHANGED = 1 / 32
@@ -276,8 +276,7 @@ def decode_into(region: torch.Tensor, kind: int, n: int, m: int, payload: torch.
         start = _aligned(head)
         itemsize = region.element_size()
         values = payload[start:start + m * itemsize].view(region.dtype)
-        done = native.apply(region, {BITMAP: 1, OFFSETS32: 2, OFFSETS16: 3}[kind],
-                            payload[:head], m, values)
+        done = native.apply(region, kind, payload[:head], m, values)
         if done is not None:
             return done == m
     index, values = decode(kind, n, m, payload, region.dtype)
