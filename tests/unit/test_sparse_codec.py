@@ -180,7 +180,10 @@ def test_the_fused_pass_encodes_as_the_torch_cast_and_scans_do(n, frac, seed, sa
 @pytest.mark.parametrize("shape,cut", [((9, 70), (slice(2, 8), slice(3, 68))),
                                        ((4, 5, 130), (slice(1, 3), slice(None), slice(1, 129))),
                                        ((6, 64), (slice(None), slice(0, 64))),
-                                       ((1, 1000), (slice(None), slice(5, 900)))])
+                                       ((1, 1000), (slice(None), slice(5, 900))),
+                                       # an expert stack cut inside each expert
+                                       ((5, 12, 70), (slice(1, 4), slice(3, 9), slice(None))),
+                                       ((4, 10, 70), (slice(None), slice(2, 7), slice(1, 66)))])
 def test_the_fused_pass_reads_a_slice_of_rows_or_columns_in_place(shape, cut):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(shape, generator=g)
@@ -206,32 +209,45 @@ def test_the_fused_pass_leaves_other_strides_to_the_scans():
                               _scratch) is not None  # rows at a stride: read in place
     assert codec.encode_fused(torch.randn(32), torch.zeros(32, dtype=torch.float16),
                               _scratch) is None  # a cast it does not do
+    gappy = torch.randn(3, 4, 5, 6)[::2, :3, 1:4, :5]  # rows in groups in groups: numpy's
+    assert codec.encode_fused(gappy, torch.zeros(gappy.numel(), dtype=torch.bfloat16),
+                              _scratch) is None
 
 
 @needs_native
 @settings(max_examples=150, deadline=None)
 @given(rows=st.integers(1, 12), cols=st.integers(1, 150), frac=st.floats(0, 1),
        seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(
-           [torch.bfloat16, torch.float32, torch.int8]), cut=st.booleans())
+           [torch.bfloat16, torch.float32, torch.int8]),
+       cut=st.sampled_from(["whole", "rows", "experts"]), experts=st.integers(1, 3))
 def test_the_native_apply_writes_every_encoding_as_numpy_does(rows, cols, frac, seed, dtype,
-                                                               cut):
-    """A payload of each sparse encoding written into a region (all of a tensor, or a
-    slice of its rows and columns) by the native pass: the same bits as numpy's decode
-    and scatter; a payload that does not fit its header is reported."""
+                                                               cut, experts):
+    """A payload of each sparse encoding written into a region (all of a tensor, a slice
+    of its rows and columns, or of an expert stack's middle dimension) by the native
+    pass: the same bits as numpy's decode and scatter; a payload that does not fit its
+    header is reported."""
     g = torch.Generator().manual_seed(seed)
-    base = (torch.randn(rows + 2, cols + 3, generator=g) * 40).to(dtype)
-    region = base[1:1 + rows, 2:2 + cols] if cut else base[:rows, :cols]
-    new = (torch.randn(rows * cols, generator=g) * 40).to(dtype)
+    if cut == "experts":
+        base = (torch.randn(experts + 1, rows + 2, cols + 3, generator=g) * 40).to(dtype)
+
+        def region_of(t):
+            return t[1:, 1:1 + rows, 2:2 + cols]
+    else:
+        base = (torch.randn(rows + 2, cols + 3, generator=g) * 40).to(dtype)
+
+        def region_of(t):
+            return t[1:1 + rows, 2:2 + cols] if cut == "rows" else t[:rows, :cols]
+    region = region_of(base)
+    n = region.numel()
+    new = (torch.randn(n, generator=g) * 40).to(dtype)
     old = region.reshape(-1).clone()
-    keep = torch.rand(rows * cols, generator=g) >= frac
+    keep = torch.rand(n, generator=g) >= frac
     new[keep] = old[keep]
-    n = rows * cols
     for kind in (codec.BITMAP, codec.OFFSETS32) + ((codec.OFFSETS16,) if n <= 65536 else ()):
         enc, want = _roundtrip(new, old, kind)
         body = torch.zeros(enc.nbytes, dtype=torch.uint8)
         codec.write_payload(enc, body)
-        got_base = base.clone()
-        got = got_base[1:1 + rows, 2:2 + cols] if cut else got_base[:rows, :cols]
+        got = region_of(base.clone())
         assert codec.decode_into(got, kind, n, enc.count, body)
         assert torch.equal(_bits(got.reshape(-1)), _bits(want)), kind
         if enc.count:  # one changed element fewer than the header says: caught

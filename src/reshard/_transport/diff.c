@@ -2,7 +2,9 @@
  * and loads it; reshard._transport.sparse.encode_fused calls it).
  *
  * One pass over a region of `rows` x `cols` elements (row r of the source at
- * src + r * stride, the copy `old` flat): each source element (cast to bfloat16 first,
+ * src + (r / inner) * ostride + (r % inner) * stride: rows at one stride, in groups of
+ * `inner` rows at another, as a slice of a 3-D tensor's middle dimension; the copy `old`
+ * flat): each source element (cast to bfloat16 first,
  * for the float32 variant) is compared bit for bit with the copy; every changed element's
  * new value is written to `values` (in row-major order), its flat position to `pos`
  * (while fewer than `cap` were found), its bit into `bits` (OR-ed in: the caller zeroes
@@ -59,15 +61,15 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
         any |= ne[j];                                                                     \
     }
 
-/* NAME(src, rows, cols, stride, old, values, pos, cap, bits): source elements of type S,
- * the copy's of type T, CONVERT(S) -> T, IS_NAN(S) */
+/* NAME(src, rows, cols, stride, inner, ostride, old, values, pos, cap, bits): source
+ * elements of type S, the copy's of type T, CONVERT(S) -> T, IS_NAN(S) */
 #define DIFF(NAME, S, T, CONVERT, IS_NAN)                                                 \
     int64_t NAME(const S *restrict src, int64_t rows, int64_t cols, int64_t stride,       \
-                 T *restrict old, T *restrict values, int32_t *restrict pos, int64_t cap, \
-                 uint8_t *restrict bits) {                                                \
+                 int64_t inner, int64_t ostride, T *restrict old, T *restrict values,     \
+                 int32_t *restrict pos, int64_t cap, uint8_t *restrict bits) {            \
         int64_t m = 0;                                                                    \
         for (int64_t r = 0; r < rows; r++) {                                              \
-            const S *row = src + r * stride;                                              \
+            const S *row = src + (r / inner) * ostride + (r % inner) * stride;            \
             T *was = old + r * cols;                                                      \
             for (int64_t c = 0; c < cols; c += BLOCK) {                                   \
                 int k = cols - c < BLOCK ? (int)(cols - c) : BLOCK;                       \
@@ -106,23 +108,27 @@ DIFF(reshard_diff_u32, uint32_t, uint32_t, SAME, NO_NAN)
  * elements (as above); 2 (offsets32), `m` int32 flat positions; 3 (offsets16), `m`
  * 16-bit flat positions (unsigned). The k-th changed element (ascending) takes
  * values[k]; flat position p is row p / cols, column p % cols of the region (row r at
- * dst + r * stride). Returns how many were written (a bitmap's set bits, which the
+ * dst + (r / inner) * ostride + (r % inner) * stride, as above). Returns how many were written (a bitmap's set bits, which the
  * caller checks against the header's count before trusting the region), or -1 when a
  * position lies outside the region or the bitmap has more than `m` bits set. */
-static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride) {
-    return stride == cols ? p : (p / cols) * stride + p % cols;
+static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride, int64_t inner,
+                            int64_t ostride) {
+    if (stride == cols && ostride == inner * cols) return p; /* contiguous */
+    int64_t r = p / cols;
+    return (r / inner) * ostride + (r % inner) * stride + p % cols;
 }
 
 #define APPLY(NAME, T)                                                                    \
-    int64_t NAME(T *restrict dst, int64_t rows, int64_t cols, int64_t stride, int kind,   \
-                 const void *restrict index, int64_t m, const T *restrict values) {       \
+    int64_t NAME(T *restrict dst, int64_t rows, int64_t cols, int64_t stride,             \
+                 int64_t inner, int64_t ostride, int kind, const void *restrict index,    \
+                 int64_t m, const T *restrict values) {                                   \
         int64_t n = rows * cols, k = 0;                                                   \
         if (kind == 2 || kind == 3) {                                                     \
             for (; k < m; k++) {                                                          \
                 int64_t p = kind == 2 ? (int64_t)((const int32_t *)index)[k]              \
                                       : (int64_t)((const uint16_t *)index)[k];            \
                 if (p < 0 || p >= n) return -1;                                           \
-                dst[at_of(p, cols, stride)] = values[k];                                  \
+                dst[at_of(p, cols, stride, inner, ostride)] = values[k];                  \
             }                                                                             \
             return k;                                                                     \
         }                                                                                 \
@@ -136,7 +142,7 @@ static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride) {
                 int j = __builtin_ctzll(w);                                               \
                 w &= w - 1;                                                               \
                 if (k >= m) return -1;                                                    \
-                dst[at_of(i + j, cols, stride)] = values[k++];                            \
+                dst[at_of(i + j, cols, stride, inner, ostride)] = values[k++];            \
             }                                                                             \
         }                                                                                 \
         return k;                                                                         \

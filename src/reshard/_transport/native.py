@@ -95,11 +95,11 @@ def _build() -> ctypes.CDLL | None:
     for name in ("reshard_diff_f32_bf16", *_SAME.values()):
         fn = getattr(lib, name)
         fn.restype = _INT
-        fn.argtypes = [_PTR, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
+        fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
     for name in _APPLY.values():
         fn = getattr(lib, name)
         fn.restype = _INT
-        fn.argtypes = [_PTR, _INT, _INT, _INT, ctypes.c_int, _PTR, _INT, _PTR]
+        fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_int, _PTR, _INT, _PTR]
     return lib
 
 
@@ -119,32 +119,42 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _rows(src: torch.Tensor) -> tuple[int, int, int] | None:
-    """``src`` as rows of contiguous elements at one stride: (rows, cols, row stride),
-    or None when it is not (a column of a transposed tensor, a gappy slice)."""
+def _rows(src: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    """``src`` as rows of contiguous elements: (rows, cols, row stride, inner, outer
+    stride), row ``r`` starting at ``(r // inner) * outer stride + (r % inner) * row
+    stride`` (rows at one stride, in groups at another: any slice of a row-major
+    tensor's rows or columns, or of a 3-D tensor's middle dimension); None when it is not
+    (a column of a transposed tensor, a slice gappy at more levels)."""
     if src.dim() == 0 or src.numel() == 0:
-        return 1, src.numel(), 0
+        return 1, src.numel(), 0, 1, 0
     cols = src.shape[-1]
     if src.stride(-1) != 1 and cols != 1:
         return None
-    rows, stride = 1, cols
+    levels: list[list[int]] = []  # [size, stride], innermost first, merged where they can
     for size, st in zip(reversed(src.shape[:-1]), reversed(src.stride()[:-1])):
         if size == 1:
             continue
-        if rows == 1:
-            rows, stride = size, st
-        elif st == stride * rows:
-            rows *= size
+        if levels and st == levels[-1][1] * levels[-1][0]:
+            levels[-1][0] *= size
         else:
-            return None
-    return rows, cols, stride
+            levels.append([size, st])
+    if not levels:
+        return 1, cols, cols, 1, 0
+    if len(levels) == 1:
+        (rows, stride), = levels
+        return rows, cols, stride, rows, 0
+    if len(levels) == 2:
+        (inner, stride), (outer, ostride) = levels
+        return inner * outer, cols, stride, inner, ostride
+    return None
 
 
 def supports(src: torch.Tensor, old: torch.Tensor) -> bool:
     """Whether :func:`diff` runs on this pair: both on the CPU, ``old`` flat and
     contiguous, of ``src``'s size, fewer than 2**31 elements; ``src`` rows of contiguous
-    elements at one stride (any slice of rows or of columns of a row-major tensor), of
-    ``old``'s dtype (1, 2 or 4 bytes an element) or float32 into bfloat16."""
+    elements as :func:`_rows` reads them (any slice of rows or of columns of a row-major
+    tensor, or of a 3-D tensor's middle dimension), of ``old``'s dtype (1, 2 or 4 bytes
+    an element) or float32 into bfloat16."""
     n = old.numel()
     return (src.device.type == "cpu" and old.device.type == "cpu" and old.is_contiguous()
             and src.numel() == n and n < 2**31
@@ -164,21 +174,22 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
     Only for pairs :func:`supports`."""
     n = old.numel()
     assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
-    rows, cols, stride = _rows(src)
+    rows, cols, stride, inner, ostride = _rows(src)
     if bits is not None:
         bits = bits[:(n + 7) // 8]
         bits.zero_()
     lib = library()
     fn = (lib.reshard_diff_f32_bf16 if src.dtype != old.dtype
           else getattr(lib, _SAME[old.element_size()]))
-    return fn(src.data_ptr(), rows, cols, stride, old.data_ptr(), values.data_ptr(),
+    return fn(src.data_ptr(), rows, cols, stride, inner, ostride, old.data_ptr(),
+              values.data_ptr(),
               pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
 
 
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
           values: torch.Tensor) -> int | None:
     """Write a sparse region's ``m`` changed ``values`` into ``region`` in place (any
-    rows of contiguous elements at one stride). ``kind`` is the codec's encoding
+    rows of contiguous elements that :func:`_rows` reads). ``kind`` is the codec's encoding
     (:mod:`reshard._transport.sparse`): 1 (bitmap), ``index`` its bits (uint8); 2
     (offsets32), int32 flat positions; 3 (offsets16), 16-bit ones. Returns how many
     were written (a bitmap's set bits; -1 if a position lies outside the region or the
@@ -192,7 +203,7 @@ def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
     shape = _rows(region)
     if shape is None or library() is None:
         return None
-    rows, cols, stride = shape
+    rows, cols, stride, inner, ostride = shape
     fn = getattr(library(), _APPLY[region.element_size()])
-    return fn(region.data_ptr(), rows, cols, stride, kind, index.data_ptr(), m,
-              values.data_ptr())
+    return fn(region.data_ptr(), rows, cols, stride, inner, ostride, kind, index.data_ptr(),
+              m, values.data_ptr())

@@ -147,9 +147,9 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, sparse: bool = True,
 def encode_fused(src: torch.Tensor, old: torch.Tensor,
                  scratch: Callable[[torch.dtype, int], torch.Tensor]) -> Encoded | None:
     """:func:`encode` with ``update``, from the region's source itself: ``src`` (any
-    shape, rows of contiguous elements at one stride, as a slice of a row-major tensor's
-    rows or columns; float32 into a bfloat16 ``old``, or ``old``'s own dtype) cast,
-    compared with ``old`` (flat) and its changes written into it in one native pass
+    shape, rows of contiguous elements: a slice of a row-major tensor's rows or columns,
+    or of a 3-D tensor's middle dimension; float32 into a bfloat16 ``old``, or ``old``'s
+    own dtype) cast, compared with ``old`` (flat) and its changes written into it in one native pass
     (:func:`reshard._transport.native.diff`). ``scratch(dtype, n)`` lends work buffers (read
     here only). None, with nothing done, where that pass does not run (no compiler, a
     source of other strides, another cast): the caller casts and calls :func:`encode`."""
