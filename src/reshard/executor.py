@@ -96,7 +96,9 @@ class Executor:
         ``p2p`` only): the plan's regions as the flat schedule cuts them, straight from
         each chosen sender, only what changed since the last committed version
         (:mod:`reshard.refit.sparse`); ``copies``: the sender's region copies, which the
-        caller keeps."""
+        caller keeps. Where this executor's dense schedule relays between replicas
+        (``fanout``), so do its sparse refits: replicas of one layout on the sender's
+        base are fed as a chain, each passing on the encoded messages it received."""
         if self.method not in ("reshard", "p2p"):
             raise ConfigError(f"sparse refits carry the reshard and p2p methods, not "
                               f"{self.method!r}")
@@ -104,7 +106,9 @@ class Executor:
             self._sparse = SparseRunner(self.plan, self.comm, budget_bytes=self.budget_bytes,
                                         staging_bytes=self.staging_bytes,
                                         checksum=self.checksum, digest_key=self._digest_key,
-                                        copies=copies, same_source=self.same_source)
+                                        copies=copies, same_source=self.same_source,
+                                        relay=self.schedule is not None
+                                        and self.schedule.fanout == "relay")
             self._sparse.progress = self._progress
         return self._sparse
 

@@ -1,6 +1,6 @@
 """Jobs of the elastic-membership test:
 
-    python _elastic_jobs.py trainer PORT DIR --requests 1,2,3,... [--rejoin S]
+    python _elastic_jobs.py trainer PORT DIR --requests 1,2,3,... [--rejoin S] [--sparse on]
     python _elastic_jobs.py replica PORT DIR --id A --tp 2 [--leave-after V] [--last V]
                                              [--bad] [--rank R [--die-at V]] [--deferred]
 
@@ -13,7 +13,9 @@ leaves after version ``--leave-after`` and stops after ``--last`` (or once it is
 ``--rank`` one rank runs in this process; ``--die-at V`` makes it SIGKILL itself in the
 middle of refit V (from the progress callback); ``--deferred`` takes each version with
 ``refit(go_live=False)``, checks the live targets still hold the previous one, then
-``go_live()``. Every rank writes
+``go_live()``. ``--sparse``: the trainer's ``sparse`` mode (every value changes from one
+version to the next, so its sparse refits carry dense regions, through the sparse
+transport and its relays). Every rank writes
 ``DIR/<trainer|id>-<rank>.json`` after each step.
 """
 
@@ -61,12 +63,13 @@ def _write(path: Path, log: list) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def trainer(rank, _world, port, out, requests, rejoin):
+def trainer(rank, _world, port, out, requests, rejoin, sparse="off"):
     layouts = trainer_layouts()
     params = {n: torch.zeros(lay.local_shape(rank)) for n, lay in layouts.items()}
     sender = ElasticSender(params, layouts, host="127.0.0.1", port=port, rank=rank,
                            trainer_size=TRAINER, timeout=TIMEOUT, refit_timeout=REFIT_TIMEOUT,
-                           rejoin_timeout=timedelta(seconds=rejoin), budget_bytes=BUDGET)
+                           rejoin_timeout=timedelta(seconds=rejoin), budget_bytes=BUDGET,
+                           sparse=sparse)
     path = Path(out) / f"trainer-{rank}.json"
     log = []
     for version, expected in enumerate(requests, start=1):
@@ -83,7 +86,8 @@ def trainer(rank, _world, port, out, requests, rejoin):
             _write(path, log)
             continue
         entry = dict(sender.history[-1], seconds=time.perf_counter() - t0, ok=True,
-                     sent=stats.bytes_sent, plans_computed=sender.plans_computed,
+                     sent=stats.bytes_sent, sparse=stats.sparse is not None
+                     and stats.sparse.used, plans_computed=sender.plans_computed,
                      checksum=sender.side.executors[0].checksum,
                      fanout=sender.side.executors[0].schedule.fanout)
         log.append(entry)
@@ -167,13 +171,14 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=-1)
     ap.add_argument("--rejoin", type=float, default=30)
     ap.add_argument("--last", type=int, default=1 << 30, help="stop after this version")
+    ap.add_argument("--sparse", default="off")
     ap.add_argument("--deferred", action="store_true",
                     help="refit(go_live=False), then go_live()")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if a.role == "trainer":
         requests = [int(x) for x in a.requests.split(",")]
-        run_processes(trainer, TRAINER, a.port, a.dir, requests, a.rejoin, init=False,
+        run_processes(trainer, TRAINER, a.port, a.dir, requests, a.rejoin, a.sparse, init=False,
                       timeout=300)
     elif a.rank >= 0:
         torch.set_num_threads(1)

@@ -37,7 +37,11 @@ def _log(tmp: Path, name: str) -> list:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def test_relayed_fleet_loses_a_relay(tmp_path):
+@pytest.mark.parametrize("sparse", ["off", "on"])
+def test_relayed_fleet_loses_a_relay(tmp_path, sparse):
+    """``sparse="on"``: refits 2 and 4 run the sparse transport (its chains: the trainer
+    feeds A and C, A passes its messages on to B and C to D), refit 1 and 3 are dense
+    (no base: the first, and the first after the failed one)."""
     port = free_port()
     env = {**os.environ, "RESHARD_DOMAIN_SIZE": "1"}
 
@@ -46,7 +50,7 @@ def test_relayed_fleet_loses_a_relay(tmp_path):
                                  str(tmp_path), *args[1:]], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    procs = [start("trainer", "--requests", "4,4,4,4", "--rejoin", "3"),
+    procs = [start("trainer", "--requests", "4,4,4,4", "--rejoin", "3", "--sparse", sparse),
              start("replica", "--id", "A", "--tp", "2", "--last", "4"),
              start("replica", "--id", "B", "--tp", "2", "--last", "4"),
              start("replica", "--id", "C", "--tp", "1", "--rank", "0", "--die-at", "2"),
@@ -70,7 +74,12 @@ def test_relayed_fleet_loses_a_relay(tmp_path):
     # relays to A and B or not: the cost model keeps the direct fan-out (its tie rule)
     assert history[2]["fanout"] == history[3]["fanout"] == "direct"
     # (A's and B's ranks each get all of b, replicated over TP, as each is a domain)
-    assert sent[2] == sent[3] == ELEMENTS * 2 * 2 + 64 * 2 * 2 + ELEMENTS * 4, sent
+    assert sent[2] == ELEMENTS * 2 * 2 + 64 * 2 * 2 + ELEMENTS * 4, sent
+    if sparse == "on":  # nearly every value changed: about the dense bytes, with headers
+        assert not history[2]["sparse"] and history[3]["sparse"], history
+        assert 0.9 * sent[2] < sent[3] < 1.05 * sent[2], sent
+    else:
+        assert sent[3] == sent[2], sent
     relayed = sum(e["sent"] for name, tp in (("A", 2), ("B", 2), ("D", 1))
                   for rank in range(tp) for e in _log(tmp_path, f"{name}-{rank}")[:1])
     assert relayed > 0

@@ -10,6 +10,7 @@ refit where sparse did not pay."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import traceback
 
 import pytest
@@ -188,7 +189,7 @@ def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay():
 
 
 # -- elastic replicas: a joiner gets dense while the others get sparse -------------------
-ELASTIC_STEPS = [1.0, 0.02, 0.03, 0.01]  # changed per step; B and C join before step 3
+ELASTIC_STEPS = [1.0, 0.02, 0.03, 0.01, 1.0]  # changed per step; B and C join before step 3
 JOIN_AT = 3
 REPLICAS = {"A": 2, "B": 2, "C": 1}  # A and B share a layout (TP2), C is TP1
 
@@ -209,12 +210,18 @@ def replica_layouts(tp: int) -> dict[str, R.Layout]:
             "norm": R.Layout((48,), mesh, [R.Replicate()], "bfloat16")}
 
 
-def elastic_trainer(rank, port, joined, out):
+def _fanout(fanout: str) -> None:
+    if fanout == "relay":  # every rank its own fast domain: replicas relay to each other
+        os.environ["RESHARD_DOMAIN_SIZE"] = "1"
+
+
+def elastic_trainer(rank, port, joined, fanout, out):
     from reshard.refit.elastic import ElasticSender
 
+    _fanout(fanout)
     params = {n: TRAINER[n].shard(t, rank).clone() for n, t in elastic_full(1).items()}
     sender = ElasticSender(params, TRAINER, host="127.0.0.1", port=port, rank=rank,
-                           trainer_size=2, sparse="on", checksum="crc32")
+                           trainer_size=2, sparse="on", checksum="crc32", fanout=fanout)
     log = []
     for step in range(1, len(ELASTIC_STEPS) + 1):
         for n, t in elastic_full(step).items():
@@ -224,20 +231,22 @@ def elastic_trainer(rank, port, joined, out):
         if rank == 0 and step in (1, JOIN_AT):
             sender.wait_for_requests(1 if step == 1 else 3)
         s = sender.refit(step)
-        log.append((s.sparse, sender.offsets, sender.side.sparse_refits.state_bytes()))
+        log.append((s.sparse, sender.offsets, sender.side.sparse_refits.state_bytes(),
+                    sender.side.executors[0].schedule.fanout))
     out.put(("trainer", rank, log))
 
 
-def elastic_replica(rid, rank, port, joined, out):
+def elastic_replica(rid, rank, port, joined, fanout, out):
     from reshard.refit.elastic import ElasticReceiver
 
+    _fanout(fanout)
     if rid != "A":
         joined.wait(60)
     tp = REPLICAS[rid]
     lays = replica_layouts(tp)
     served = {n: torch.zeros(lays[n].local_shape(rank), dtype=torch.bfloat16) for n in lays}
     receiver = ElasticReceiver(served, lays, host="127.0.0.1", port=port, replica_id=rid,
-                               rank=rank, tp_size=tp, checksum="crc32")
+                               rank=rank, tp_size=tp, checksum="crc32", fanout=fanout)
     log = []
     while receiver.version < len(ELASTIC_STEPS):
         s = receiver.refit()
@@ -249,23 +258,30 @@ def elastic_replica(rid, rank, port, joined, out):
     out.put((rid, rank, log))
 
 
-def test_elastic_joiners_get_dense_while_the_others_get_sparse_in_the_same_refit():
+@pytest.mark.parametrize("fanout", ["auto", "relay"])
+def test_elastic_joiners_get_dense_while_the_others_get_sparse_in_the_same_refit(fanout):
     """Replica A (TP2) refits from step 1; B (TP2, A's layout) and C (TP1) join before
     step 3: step 3 reaches A sparse and B, C dense (they missed versions 1 and 2), every
-    replica bit for bit; step 4 reaches all three sparse. The trainer keeps one copy per
-    region it sends, whichever replicas read it: A and B share theirs."""
+    replica bit for bit; steps 4 (1% changed) and 5 (all) reach all three sparse. The
+    trainer keeps one copy per region it sends, whichever replicas read it: A and B
+    share theirs. ``relay`` (every rank its own fast domain): from step 4, when B holds
+    A's base, each trainer rank sends A's ranks only and A's ranks pass the encoded
+    messages on to B's, as they came (checksummed end to end); at step 3 B, without the
+    base, gets dense straight from the trainer."""
     ctx, port = mp.get_context("fork"), free_port()
     out, joined = ctx.Queue(), ctx.Event()
-    got = _processes(ctx, out, [(elastic_trainer, (r, port, joined, out)) for r in (0, 1)]
-                     + [(elastic_replica, (rid, r, port, joined, out))
+    got = _processes(ctx, out, [(elastic_trainer, (r, port, joined, fanout, out))
+                                for r in (0, 1)]
+                     + [(elastic_replica, (rid, r, port, joined, fanout, out))
                         for rid, tp in REPLICAS.items() for r in range(tp)])
     logs = {(who, r): log for who, r, log in got}
     dense = {tp: SHAPE[0] * SHAPE[1] * 2 // tp + 48 * 2 for tp in (1, 2)}  # bf16 a rank
+    last = len(ELASTIC_STEPS)
     for rid, tp in REPLICAS.items():
         for r in range(tp):
             log = logs[rid, r]
             versions = [v for v, *_ in log]
-            assert versions == ([1, 2, 3, 4] if rid == "A" else [3, 4]), log
+            assert versions == list(range(1 if rid == "A" else JOIN_AT, last + 1)), log
             assert all(exact for _, exact, _, _ in log), log
             at = {v: (received, sparse) for v, _, received, sparse in log}
             # step 3: dense to the joiners, sparse to A; step 4: sparse to all
@@ -277,17 +293,29 @@ def test_elastic_joiners_get_dense_while_the_others_get_sparse_in_the_same_refit
                 assert at[3][0] >= dense[tp]
                 assert set(at[3][1].regions_by_encoding) == {"dense"}, at[3]
             assert at[4][0] < 0.3 * dense[tp], at[4]
+            assert set(at[last][1].regions_by_encoding) == {"dense"}, at[last]
     for r in (0, 1):
         log = logs["trainer", r]
         assert log[0][0].used is False  # the first refit: dense, no copy to diff against
-        stats3, offsets3, _ = log[JOIN_AT - 1]
+        stats3, offsets3, _, _ = log[JOIN_AT - 1]
         joiners = {offsets3[rid] + i for rid in ("B", "C") for i in range(REPLICAS[rid])}
         assert set(stats3.dense_peers) == joiners, (stats3.dense_peers, offsets3)
         assert log[-1][0].dense_peers == ()
+        assert log[-1][3] == ("relay" if fanout == "relay" else "direct")
         # one bf16 copy of what this rank sends per replica layout: A and B share theirs
         # (the norm goes from one chosen trainer rank to each replica rank)
         copies = log[-1][2]
         assert SHAPE[0] * SHAPE[1] // 2 * 2 * 2 <= copies <= (SHAPE[0] * SHAPE[1] + 3 * 48) * 2 * 2
+    for step in range(JOIN_AT, last + 1):  # who sent what each replica received
+        def wire(rid, what, step=step):
+            return sum(getattr(logs[rid, r][step - (1 if rid == "A" else JOIN_AT)][3], what)
+                       for r in range(REPLICAS[rid]))
+        trainer = sum(logs["trainer", r][step - 1][0].wire_sent for r in (0, 1))
+        chained = fanout == "relay" and step > JOIN_AT  # B on A's base: fed by A
+        assert wire("A", "wire_sent") == (wire("B", "wire_received") if chained else 0)
+        assert not chained or wire("A", "wire_sent") > 0
+        assert trainer == (wire("A", "wire_received") + wire("C", "wire_received")
+                           + (0 if chained else wire("B", "wire_received"))), step
 
 
 # -- the colocated policy: its tensors go as in a dense refit, in the same refit ---------

@@ -116,11 +116,12 @@ class SparseRunner:
 
     def __init__(self, plan, comm, *, budget_bytes: int, staging_bytes: int | None,
                  checksum: str | None = None, digest_key: bytes | None = None,
-                 copies: Copies | None = None, same_source: dict[str, str] | None = None
-                 ) -> None:
+                 copies: Copies | None = None, same_source: dict[str, str] | None = None,
+                 relay: bool = False) -> None:
         """``copies``: the sender's region copies (kept by the caller across plans);
         ``same_source``: tensor name -> the name of its data (replicas that are separate
-        tensors of the plan share their copies)."""
+        tensors of the plan share their copies); ``relay``: receivers that need the same
+        regions from a sender, on the same base, are fed as a chain (:meth:`run`)."""
         self.comm, self.rank = comm, comm.rank
         self.dtypes = {t.name: getattr(torch, t.dst.dtype) for t in plan.tensors}
         schedule = flat_schedule(plan, budget_bytes, staging_bytes)
@@ -135,7 +136,7 @@ class SparseRunner:
         self.in_units = _units(mine, lambda h: h.dst_rank == self.rank, lambda h: h.src_rank)
         self.sends = [h for p in sorted(self.out_units) for u in self.out_units[p] for h in u]
         self._slot = {id(h): i for i, h in enumerate(self.sends)}
-        same = same_source or {}
+        same = self._same = same_source or {}
         self.keys = [(same.get(h.name, h.name), h.src_offset, h.size, str(self.dtypes[h.name]))
                      for h in self.sends]
         self._uses: dict[tuple, int] = {}  # how many sends read each copy (replicas: > 1)
@@ -151,6 +152,13 @@ class SparseRunner:
         #: sends per run), as the dense runner's ``progress`` is (the executor's)
         self.progress: Callable[[int, int], None] | None = None
         self._dense_total = sum(h.nbytes for h in self.sends)
+        self.relay = relay
+        if relay:  # every pair's hops (a chain is agreed from them on every rank)
+            self._pairs = _pair_units(schedule.rounds)
+            self._sig = {pair: frozenset(self._key(h) for u in units for h in u)
+                         for pair, units in self._pairs.items()}
+        self._in_streams: dict[tuple[int, int], _InStream] = {}
+        self._forwards: dict[tuple[int, int], tuple[int, int]] = {}
         self.broken = False  # the last run failed in the transport
         self.read_error: BaseException | None = None
         self.corrupt: str | None = None
@@ -159,6 +167,53 @@ class SparseRunner:
     @property
     def state_bytes(self) -> int:
         return self.copies.nbytes
+
+    def _key(self, h: Hop) -> tuple:
+        """A region as its source and place say, whichever replica's tensor it lands in."""
+        return (self._same.get(h.name, h.name), h.src_offset, h.size, h.dst_offset,
+                h.nbytes, str(self.dtypes[h.name]))
+
+    # -- relayed streams ----------------------------------------------------------------
+    def chains(self, bases: dict[int, int | None]) -> list[tuple[int, list[int]]]:
+        """This run's chains, alike on every rank: (sender, [receivers]) where the
+        receivers need the same regions from that sender (the same sources, at the same
+        places: ranks of replicas of one layout) and hold its base; the sender sends to
+        the first, each forwards what it received to the next, one step later."""
+        if not self.relay:
+            return []
+        out = []
+        for t in sorted({t for t, _ in self._pairs}):
+            base = bases.get(t)
+            if base is None:
+                continue
+            groups: dict[frozenset, list[int]] = {}
+            for (src, d), sig in sorted(self._sig.items()):
+                if src == t and bases.get(d) == base:
+                    groups.setdefault(sig, []).append(d)
+            out.extend((t, ranks) for _, ranks in sorted(groups.items(), key=lambda g: g[1])
+                       if len(ranks) > 1)
+        return out
+
+    def _streams(self, bases: dict[int, int | None] | None) -> None:
+        """What this rank sends and receives this run, per stream (peer, origin): its own
+        regions to each peer but a chain's later links, and a chain's forwards."""
+        self._out = {(p, self.rank): units for p, units in self.out_units.items()}
+        self._in_streams = {(p, p): _InStream(units, p, self.rank, 0)
+                            for p, units in self.in_units.items()}
+        self._forwards = {}  # (next, origin) -> the in-stream it passes on
+        for t, chain in self.chains(bases or {}):
+            for i, d in enumerate(chain):
+                if i and t == self.rank:
+                    del self._out[(d, t)]
+                if d == self.rank:
+                    if i:  # from the one before, as the sender's stream to the head
+                        own = {self._key(h): h for u in self.in_units[t] for h in u}
+                        units = [[own[self._key(h)] for h in u]
+                                 for u in self._pairs[(t, chain[0])]]
+                        del self._in_streams[(t, t)]
+                        self._in_streams[(chain[i - 1], t)] = _InStream(units, t, chain[0], i)
+                    if i + 1 < len(chain):
+                        self._forwards[(chain[i + 1], t)] = (chain[i - 1] if i else t, t)
 
     # -- the sender's copy -------------------------------------------------------------
     def _copy(self, i: int, like: torch.Tensor) -> RegionCopy:
@@ -242,10 +297,12 @@ class SparseRunner:
         return enc
 
     # -- one refit ---------------------------------------------------------------------
-    def run(self, src, dst, *, sparse_to: set[int], base: int | None = None) -> SparseStats:
+    def run(self, src, dst, *, sparse_to: set[int], base: int | None = None,
+            bases: dict[int, int | None] | None = None) -> SparseStats:
         """Move this rank's regions, sparse to the peers in ``sparse_to`` (whose base is
         ``base``, the version this rank's copies hold), dense to the others; the copies
-        are updated as it goes."""
+        are updated as it goes. ``bases``: every rank's base (a relaying runner forms its
+        chains from them: :meth:`chains`)."""
         self._runs += 1
         self.base, self._memo = base, {}
         self._sparse_key = {}
@@ -253,15 +310,20 @@ class SparseRunner:
             self._sparse_key[key] = self._sparse_key.get(key, False) or h.dst_rank in sparse_to
         self.broken, self.read_error, self.corrupt = False, None, None
         stats = SparseStats(used=True)
+        self._streams(bases)
+        out_at, in_at = dict.fromkeys(self._out, 0), dict.fromkeys(self._in_streams, 0)
+        fwd_at = dict.fromkeys(self._forwards, 0)
+        self._stash: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.views.bind(src, dst)
-        out_at, in_at = dict.fromkeys(self.out_units, 0), dict.fromkeys(self.in_units, 0)
         try:
             with torch.no_grad():
                 for h in self.local:
                     self.views.write(h).copy_(self.views.read(h))
-                while (any(at < len(self.out_units[p]) for p, at in out_at.items())
-                       or any(at < len(self.in_units[p]) for p, at in in_at.items())):
-                    self._step(stats.rounds, out_at, in_at, sparse_to, stats)
+                while (any(at < len(self._out[s]) for s, at in out_at.items())
+                       or any(at < len(self._in_streams[s].units) for s, at in in_at.items())
+                       or any(at < len(self._in_streams[self._forwards[s]].units)
+                              for s, at in fwd_at.items())):
+                    self._step(stats.rounds, out_at, in_at, fwd_at, sparse_to, stats)
                     stats.rounds += 1
                     if self.progress is not None:
                         self.progress(stats.wire_sent, self._dense_total)
@@ -271,6 +333,7 @@ class SparseRunner:
                                 f"{stats.rounds}: {str(e).splitlines()[0]}") from e
         finally:
             self.views.unbind()
+            self._stash = {}
         if self.corrupt:
             raise TransferError(f"rank {self.rank}: {self.corrupt}; the received data is "
                                 "corrupt and this refit must be discarded")
@@ -281,38 +344,55 @@ class SparseRunner:
         stats.dense_peers = tuple(sorted({h.dst_rank for h in self.sends} - sparse_to))
         return stats
 
-    def _step(self, k: int, out_at: dict[int, int], in_at: dict[int, int],
-              sparse_to: set[int], stats: SparseStats) -> None:
-        """One step: with every peer still owed something, a header each way, then the
-        messages; ``out_at`` / ``in_at``: each peer's next unit, advanced."""
+    def _step(self, k: int, out_at: dict, in_at: dict, fwd_at: dict, sparse_to: set[int],
+              stats: SparseStats) -> None:
+        """One step: a header each way on every stream still owed something, then the
+        messages; ``out_at`` / ``in_at`` / ``fwd_at``: each stream's next unit, advanced.
+        A chain's link passes on, as it came, what its stream brought the step before."""
         device = self._device()
-        outgoing = {}
-        for p, at in sorted(out_at.items()):
-            if at < len(self.out_units[p]):
-                head, parts, used = self._encode(k, p, self.out_units[p][at:], p in sparse_to,
+        outgoing: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for key, at in out_at.items():
+            units = self._out[key]
+            if at < len(units):
+                head, parts, used = self._encode(k, key[0], units[at:], key[0] in sparse_to,
                                                  stats, device)
-                outgoing[p], out_at[p] = (head, parts), at + used
-        heads = {p: torch.empty(_head_len(self.in_units[p][at:]), dtype=torch.int64,
-                                device=device)
-                 for p, at in sorted(in_at.items()) if at < len(self.in_units[p])}
-        for w in self.comm.exchange([(head, p) for p, (head, _) in outgoing.items()],
-                                    [(t, p) for p, t in heads.items()], _TAG + 2 * k):
+                outgoing[key], out_at[key] = (head, parts), at + used
+        for key, came in self._forwards.items():
+            if came in self._stash:
+                head, parts = outgoing[key] = self._stash.pop(came)
+                fwd_at[key] += int(head[0])
+                stats.wire_sent += sum(t.numel() for t in parts) + head.numel() * 8
+        heads = {}
+        for key, at in in_at.items():
+            st = self._in_streams[key]
+            if at < len(st.units) and k >= st.delay:
+                heads[key] = torch.empty(_head_len(st.units[at:]), dtype=torch.int64,
+                                         device=device)
+        for w in self.comm.exchange([(head, key[0]) for key, (head, _) in sorted(outgoing.items())],
+                                    [(t, key[0]) for key, t in sorted(heads.items())],
+                                    _TAG + 2 * k):
             self._wait(w)
         incoming = {}
-        for p, t in heads.items():
+        for key, t in sorted(heads.items()):
+            stats.wire_received += t.numel() * 8
             head = t.tolist()
-            units = self.in_units[p][in_at[p]:in_at[p] + head[0]]
-            in_at[p] += head[0]
+            st = self._in_streams[key]
+            units = st.units[in_at[key]:in_at[key] + head[0]]
+            in_at[key] += head[0]
             hops = [h for u in units for h in u]
-            incoming[p] = (hops, head[1:3 + 2 * len(hops)], *self._receivers(hops, head[1:],
-                                                                                device))
+            incoming[key] = (t, hops, head[1:3 + 2 * len(hops)],
+                             *self._receivers(hops, head[1:], device))
         for w in self.comm.exchange(
-                [(t, p) for p, (_, parts) in outgoing.items() for t in parts],
-                [(t, p) for p, (_, _, parts, _) in incoming.items() for t in parts],
+                [(t, key[0]) for key, (_, parts) in sorted(outgoing.items()) for t in parts],
+                [(t, key[0]) for key, (_, _, _, parts, _) in sorted(incoming.items())
+                 for t in parts],
                 _TAG + 2 * k + 1):
             self._wait(w)
-        for p, (hops, head, parts, temps) in incoming.items():
-            self._apply(k, p, hops, head, parts, temps, stats)
+        forwarded = set(self._forwards.values())
+        for key, (t, hops, head, parts, temps) in incoming.items():
+            self._apply(k, self._in_streams[key], hops, head, parts, temps, stats)
+            if key in forwarded:  # the next link's, next step: the bytes as they came
+                self._stash[key] = (t, parts)
 
     def _encode(self, k: int, peer: int, units: list[list[Hop]], sparse: bool,
                 stats: SparseStats, device) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -378,12 +458,14 @@ class SparseRunner:
                 parts.append(temps[j])
         return parts, temps
 
-    def _apply(self, k: int, peer: int, hops: list[Hop], head: list[int],
+    def _apply(self, k: int, st: _InStream, hops: list[Hop], head: list[int],
                parts: list[torch.Tensor], temps: dict[int, torch.Tensor],
                stats: SparseStats) -> None:
         t0 = time.perf_counter()
         items = head[2:]
-        if self.checksum and head[1] != self._digest(k, peer, self.rank, items, parts):
+        peer = st.origin
+        if self.checksum and head[1] != self._digest(k - st.delay, st.origin, st.head, items,
+                                                     parts):
             self.corrupt = self.corrupt or (f"checksum mismatch on the sparse message from "
                                             f"rank {peer} in step {k} ({self.checksum})")
             return
@@ -407,7 +489,7 @@ class SparseRunner:
                 pos += size
             stats.add(kind, size, count, n)
             stats.dense_bytes += h.nbytes
-        stats.wire_received += sum(t.numel() for t in parts) + len(head) * 8
+        stats.wire_received += sum(t.numel() for t in parts)  # the header: in _step
         stats.detect_seconds += time.perf_counter() - t0
 
     def _digest(self, k: int, src: int, dst: int, items: list[int],
@@ -431,6 +513,31 @@ class SparseRunner:
 
     def _wait(self, work: Any) -> None:
         wait_for(work, self.deadline, self.comm.backend)
+
+
+@dataclass
+class _InStream:
+    """What a rank receives from one peer in a run: ``units`` (its own hops), as
+    ``origin`` sent them to ``head`` (the first of a chain; this rank when direct),
+    ``delay`` steps later (its place in the chain)."""
+
+    units: list[list[Hop]]
+    origin: int
+    head: int
+    delay: int
+
+
+def _pair_units(rounds) -> dict[tuple[int, int], list[list[Hop]]]:
+    """Every (sender, receiver) pair's units, as :func:`_units` makes one rank's."""
+    out: dict[tuple[int, int], list[list[Hop]]] = {}
+    for hops in rounds:
+        by_pair: dict[tuple[int, int], list[Hop]] = {}
+        for h in hops:
+            if not h.is_local:
+                by_pair.setdefault((h.src_rank, h.dst_rank), []).append(h)
+        for pair, hs in by_pair.items():
+            out.setdefault(pair, []).append(hs)
+    return out
 
 
 def _units(rounds: list[list[Hop]], mine, peer_of) -> dict[int, list[list[Hop]]]:

@@ -105,7 +105,7 @@ class SparseRefits:
             sparse_to = set()
         self._encoded_sparse = self._encoded_sparse or bool(sparse_to)
         self._ran.add(id(ex))
-        return tr.run(src, dst, sparse_to=sparse_to, base=me)
+        return tr.run(src, dst, sparse_to=sparse_to, base=me, bases=bases)
 
     @property
     def keeps_copy(self) -> bool:
