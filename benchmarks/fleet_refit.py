@@ -12,6 +12,13 @@ node sent, headers and control messages included) around each timed refit.
 
     sudo .venv/bin/python benchmarks/fleet_refit.py --replicas 1,2,4,6 --tp 1,2
 
+``--changed F``: sparse refits instead (``docs/sparse.md``), each after every trainer rank
+changed a fraction F of its values: both executors' sparse transports (``direct``: the
+trainer ranks send each replica rank its changed values; ``relay``: to the first replica
+of a chain, which passes the encoded messages on), sharing the trainer's copies, one
+version after another; at the end the replicas' weights are compared bit for bit with a
+dense refit of the same values.
+
 Needs root (network namespaces). Prints a table and writes ``--out`` (JSON).
 """
 
@@ -95,6 +102,63 @@ def worker(rank: int, world: int, a: argparse.Namespace, replicas: int, tp: int)
     return out
 
 
+def sparse_worker(rank: int, world: int, a: argparse.Namespace, replicas: int, tp: int
+                  ) -> dict:
+    """``--changed``: sparse refits, direct and relayed alternating, one version each."""
+    from reshard.comm import Comm
+    from reshard.executor import Copies, Executor
+    from reshard.topology import Topology
+
+    torch.set_num_threads(1)
+    plan, _ = build(a.model_bytes, replicas, tp)
+    comm = Comm.from_group()
+    topo = Topology(domains=node_of_rank(replicas, tp))
+    src = {t.name: fill_local(t.src, rank) for t in plan.tensors if rank in t.src.rank_set}
+    dst = {t.name: torch.zeros(t.dst.local_shape(rank)) for t in plan.tensors
+           if rank in t.dst.rank_set}
+    receivers = {r for t in plan.tensors for r in t.dst.rank_set}
+    copies = Copies()  # the trainer's, one for both transports (the same regions)
+    runs = {mode: Executor(plan, comm, method="reshard", budget_bytes=a.budget_bytes,
+                           topology=topo, fanout=mode) for mode in MODES}
+    sparse = {mode: ex.sparse_runner(copies) for mode, ex in runs.items()}
+    g = torch.Generator().manual_seed(rank)
+    version = 1
+
+    def refit(mode: str, base: int | None) -> tuple[float, object]:
+        bases = dict.fromkeys(range(world), base)
+        comm.barrier()
+        t0 = time.perf_counter()
+        stats = sparse[mode].run(src, dst, sparse_to=receivers if base else set(),
+                                 base=base, bases=bases)
+        seconds = time.perf_counter() - t0
+        copies.commit(version)
+        return seconds, stats
+
+    refit(MODES[0], None)  # dense: the copies made
+    out: dict = {mode: {"times": [], "link": [], "wire": [], "rounds": 0} for mode in MODES}
+    for i in range(a.repeats):
+        for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+            for t in src.values():  # a fraction of the values changed
+                hit = torch.rand(t.shape, generator=g) < a.changed
+                t[hit] += 1.0
+            before = link_tx_bytes() if rank == 0 else 0
+            version += 1
+            seconds, stats = refit(mode, version - 1)
+            comm.barrier()
+            out[mode]["times"].append(seconds)
+            out[mode]["wire"].append(stats.wire_sent)
+            out[mode]["rounds"] = stats.rounds
+            if rank == 0:
+                out[mode]["link"].append(link_tx_bytes() - before)
+    after = {n: t.clone() for n, t in dst.items()}
+    runs[MODES[0]].run(src, dst)  # the same values, dense
+    same = all(torch.equal(after[n].view(torch.int32), t.view(torch.int32))
+               for n, t in dst.items())
+    for mode in MODES:
+        out[mode]["ok"] = same
+    return out
+
+
 def one_fleet(a: argparse.Namespace, replicas: int, tp: int) -> list[dict]:
     from reshard.tools.bench import enter_rank_namespace
     from reshard.tools.launch import run_processes
@@ -106,7 +170,8 @@ def one_fleet(a: argparse.Namespace, replicas: int, tp: int) -> list[dict]:
                          queue_ms=a.queue_ms, link=a.link,
                          congestion=a.congestion) as cluster:
         names = {r: cluster.ns_name(n) for r, n in nodes.items()}
-        per_rank = run_processes(worker, len(nodes), a, replicas, tp, timeout=a.timeout,
+        per_rank = run_processes(worker if a.changed is None else sparse_worker, len(nodes),
+                                 a, replicas, tp, timeout=a.timeout,
                                  setup=partial(enter_rank_namespace, names, None),
                                  master_addr=cluster.node_addr(0),
                                  env={"TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"})
@@ -116,6 +181,9 @@ def one_fleet(a: argparse.Namespace, replicas: int, tp: int) -> list[dict]:
                      "seconds": slowest_median([r[mode]["times"] for r in per_rank]),
                      "trainer_link_copies": median(per_rank[0][mode]["link"]) / model_bytes,
                      "model_bytes": model_bytes, "rounds": per_rank[0][mode]["rounds"],
+                     "changed": a.changed, "trainer_wire_bytes": sum(
+                         median(r[mode]["wire"]) for r in per_rank[:TRAINER]
+                     ) if a.changed is not None else None,
                      "verified": all(r[mode]["ok"] for r in per_rank)})
     return rows
 
@@ -148,6 +216,8 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=2.0,
                     help="staging budget per rank and round (network chunks: a sixth)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--changed", type=float, default=None,
+                    help="sparse refits, this fraction of the values changed before each")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="/tmp/fleet_refit.json")
     a = ap.parse_args()
@@ -160,7 +230,8 @@ def main() -> None:
             rows += one_fleet(a, replicas, tp)
             print(table(rows[-2:]).splitlines()[-2:], flush=True)
     print(f"model {a.model_mib} MiB fp32, trainer {TRAINER} ranks on one node, links "
-          f"{a.link_mbit:g} Mbit/s each way, budget {a.budget_mib:g} MiB")
+          f"{a.link_mbit:g} Mbit/s each way, budget {a.budget_mib:g} MiB"
+          + (f", sparse refits at {a.changed:.1%} changed" if a.changed is not None else ""))
     print(table(rows))
     write_json(Path(a.out), {"args": {k: v for k, v in vars(a).items()}, "rows": rows})
 

@@ -159,6 +159,7 @@ class SparseRunner:
                          for pair, units in self._pairs.items()}
         self._in_streams: dict[tuple[int, int], _InStream] = {}
         self._forwards: dict[tuple[int, int], tuple[int, int]] = {}
+        self._heads: set[tuple[int, int]] = set()
         self.broken = False  # the last run failed in the transport
         self.read_error: BaseException | None = None
         self.corrupt: str | None = None
@@ -201,7 +202,10 @@ class SparseRunner:
         self._in_streams = {(p, p): _InStream(units, p, self.rank, 0)
                             for p, units in self.in_units.items()}
         self._forwards = {}  # (next, origin) -> the in-stream it passes on
+        self._heads: set[tuple[int, int]] = set()  # this rank's streams to a chain's head
         for t, chain in self.chains(bases or {}):
+            if t == self.rank:
+                self._heads.add((chain[0], t))
             for i, d in enumerate(chain):
                 if i and t == self.rank:
                     del self._out[(d, t)]
@@ -355,7 +359,7 @@ class SparseRunner:
             units = self._out[key]
             if at < len(units):
                 head, parts, used = self._encode(k, key[0], units[at:], key[0] in sparse_to,
-                                                 stats, device)
+                                                 stats, device, chunk=key in self._heads)
                 outgoing[key], out_at[key] = (head, parts), at + used
         for key, came in self._forwards.items():
             if came in self._stash:
@@ -395,14 +399,18 @@ class SparseRunner:
                 self._stash[key] = (t, parts)
 
     def _encode(self, k: int, peer: int, units: list[list[Hop]], sparse: bool,
-                stats: SparseStats, device) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+                stats: SparseStats, device, *, chunk: bool = False
+                ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         """The header and the messages to ``peer`` this step, and how many of ``units``
-        they carry (as many as fit the budget once encoded, at least one): a body (the
-        sparse regions and small dense ones), then each larger dense region alone."""
+        they carry (as many as fit the budget once encoded, at least one; ``chunk``, to
+        the head of a chain: a sixth of it, the dense relays' network chunk, so that a
+        chain runs as a pipeline where there is much to send): a body (the sparse
+        regions and small dense ones), then each larger dense region alone."""
         t0 = time.perf_counter()
         encs, size, used = [], 0, 0
+        cap = max(1, self.budget // 6) if chunk else self.budget
         for unit in units:
-            if used and size >= self.budget:
+            if used and size >= cap:
                 break
             used += 1
             for h in unit:
