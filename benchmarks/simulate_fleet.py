@@ -49,14 +49,16 @@ def table(case: dict) -> str:
     lines = [f"{case['model']} ({case['dtype']}), trainer {case['src']} -> replicas of "
              f"{case['replica']}, {case['cluster']}", "",
              "| R | GPUs | replica domains | direct s | relay s | trainer link copies "
-             "(direct / relay) |" + (" sparse s | sparse copies |" if sparse else ""),
+             "(direct / relay) |" + (" sparse s (direct / relay) | sparse copies "
+                                     "(direct / relay) |" if sparse else ""),
              "|---|---|---|---|---|---|" + ("---|---|" if sparse else "")]
     for p in case["points"]:
         lines.append(f"| {p['replicas']} | {p['replicas'] * gpus} | {p['domains']} | "
                      f"{p['direct_s']:.2f} | {p['relay_s']:.2f} | "
                      f"{p['trainer_copies_direct']} / {p['trainer_copies_relay']} |"
-                     + (f" {p['sparse_s']:.2f} | {p['trainer_copies_sparse']:.2f} |"
-                        if sparse else ""))
+                     + (f" {p['sparse_s']:.2f} / {p['sparse_relay_s']:.2f} | "
+                        f"{p['trainer_copies_sparse']:.2f} / "
+                        f"{p['trainer_copies_sparse_relay']:.2f} |" if sparse else ""))
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """The fleet model (``reshard.sim.fleet``): direct fan-out grows with the replica domains
 once the trainer's NICs are the bottleneck, relayed stays within its chain's fill;
 replicas sharing an NVLink domain are fed once; the one-replica loads it scales are the
-real domain schedule's; a sparse refit, as built, goes direct to every replica."""
+real domain schedule's; a sparse refit goes direct to every replica or relayed replica to
+replica."""
 
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ def test_one_replica_loads_are_the_schedules():
             assert out == copies * copy
 
 
-def test_sparse_refits_go_direct_to_every_replica():
-    """At 1% changed (bf16) a replica's sparse share is a few percent of a copy, and as
-    built (direct, the flat schedule) the trainer sends it to each replica: R shares,
-    where a relayed dense refit sends one whole copy. At 100% every byte travels."""
+def test_sparse_refits_go_direct_to_every_replica_or_relayed():
+    """At 1% changed (bf16) a replica's sparse share is a few percent of a copy; direct
+    (the flat schedule) the trainer sends it to each replica: R shares, where a relayed
+    dense refit sends one whole copy; relayed, one share whatever R, the chain adding a
+    step per replica. At 100% every byte travels."""
     points = fleet_curve(MODEL, "tp8", "tp8", "dgx-h100", (1, 8, 64), budget_bytes=8 << 20,
                          changed=0.01)
     one = points[0]
@@ -72,6 +74,10 @@ def test_sparse_refits_go_direct_to_every_replica():
         assert p.trainer_copies_sparse == pytest.approx(p.replicas * one.trainer_copies_sparse)
         assert p.sparse_s >= one.sparse_s
     assert points[-1].trainer_copies_sparse > points[-1].trainer_copies_relay  # 64 x 3%
+    for p in points:
+        assert p.trainer_copies_sparse_relay == pytest.approx(one.trainer_copies_sparse)
+        assert one.sparse_s <= p.sparse_relay_s <= p.sparse_s + 1e-12
+    assert points[1].sparse_relay_s < points[-1].sparse_relay_s < points[-1].relay_s
     everything = fleet_curve(MODEL, "tp8", "tp8", "dgx-h100", (1,), budget_bytes=8 << 20,
                              changed=1.0)[0]
     assert everything.trainer_copies_sparse == pytest.approx(1.0, rel=1e-3)  # every byte

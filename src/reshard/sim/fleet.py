@@ -19,10 +19,15 @@ holds. Assumptions, stated once:
 * Replicas sharing a domain get their copies over the fast links from the one that
   received it: ``k - 1`` copies of a replica rank's share out of each receiving rank.
 * ``sparse`` (``changed=F``: a refit after the first, ``F`` of the engine-dtype values
-  changed; :mod:`reshard.sim.sparse`), as built: direct to every replica over the flat
-  schedule (no relay, no forward inside a domain), so the trainer's NICs send each replica
-  its encoded share (the one-replica sparse loads times R: each region's sender is the
-  same for every replica), after the detection, which does not grow with R.
+  changed; :mod:`reshard.sim.sparse`), after the detection, which does not grow with R.
+  Direct: over the flat schedule (no forward inside a domain), so the trainer's NICs
+  send each replica its encoded share (the one-replica sparse loads times R: each
+  region's sender is the same for every replica). Relayed: the trainer's NICs send one
+  share, into the first replica of a chain of all R (replica to replica, whether or not
+  they share a domain: the sparse transport has no forward inside a domain, and a link
+  of the chain inside one is as costly here as one between domains); the chain adds a
+  step per replica after the first, each the smaller of a sixth of the budget and a
+  receiving NIC's whole share, with a network hop's and a round's latency.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class FleetPoint:
     """A sparse refit's seconds (``changed``), as built: direct, after the detection."""
     trainer_copies_sparse: float | None = None
     """Its bytes out of the trainer's domain, in dense model copies."""
+    sparse_relay_s: float | None = None
+    """The sparse refit relayed replica to replica."""
+    trainer_copies_sparse_relay: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -84,7 +92,12 @@ def fleet_point(one: Prediction, cluster: Cluster, replicas: int, replica_gpus: 
     sparse_s = sparse.stages["detect"] + _fed_directly(
         s_out, s_in, replicas, sparse.stages["transfer"], sparse.stages["latency"])
     copies = replicas * sparse.loads.network_bytes / copy if copy else 0.0
-    return FleetPoint(replicas, domains, direct, relay, domains, 1, sparse_s, copies)
+    step = (min((budget_bytes // 6) / nic, s_in) + cluster.nic_latency_s
+            + cluster.op_latency_s)
+    sparse_relay = (sparse.stages["detect"] + max(s_out, s_in, sparse.stages["transfer"])
+                    + sparse.stages["latency"] + (replicas - 1) * step)
+    return FleetPoint(replicas, domains, direct, relay, domains, 1, sparse_s, copies,
+                      sparse_relay, copies / replicas)
 
 
 def _fed_directly(t_out: float, t_in: float, copies: int, floor: float,
