@@ -4,11 +4,12 @@
 
 Two gloo ranks (FSDP2, float32 master weights, AdamW, the batches of
 ``_vllm_trainer_job``) host a fleet at ``PORT`` (an ``ElasticSender`` each, relayed
-fan-out) and wait for its ``N`` engines to ask to join; take step 1 and refit the fleet
-(every engine at once, fed through each other); then meet the engine of ``--join`` (a
-new one, filled from its peers in the meantime, without this job; one ``RefitSender``),
-wait for ``M`` requests to join in all (engines filled from their peers that join the
-fleet), take step 2 and refit the fleet, then that engine. Rank 0 saves the full state dict of
+fan-out, ``sparse="on"``) and wait for its ``N`` engines to ask to join; take step 1
+and refit the fleet (every engine at once, fed through each other; dense: no base yet);
+then meet the engine of ``--join`` (a new one, filled from its peers in the meantime,
+without this job; one ``RefitSender``), wait for ``M`` requests to join in all (engines
+filled from their peers that join the fleet), take step 2 and refit the fleet (sparse,
+its chain through the engines), then that engine. Rank 0 saves the full state dict of
 each step (``OUT_DIR/step{k}.pt``) before its refits. Prints one JSON line: per rank,
 per step and refit, the outcome (``engine`` 0: the fleet, 1: the joined engine).
 """
@@ -38,7 +39,8 @@ def trainer(rank: int, world: int, model_dir: str, out_dir: str,
     params, layouts = hf.refit_params(model)
     port, engines, grown = fleet
     elastic = ElasticSender(params, layouts, host="127.0.0.1", port=port, rank=rank,
-                            trainer_size=world, timeout=TIMEOUT, fanout="relay")
+                            trainer_size=world, timeout=TIMEOUT, fanout="relay",
+                            sparse="on")
     if rank == 0:
         elastic.wait_for_requests(engines)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
@@ -54,7 +56,8 @@ def trainer(rank: int, world: int, model_dir: str, out_dir: str,
         stats = elastic.refit(step)
         log.append({"step": step, "engine": 0, "sent": stats.bytes_sent,
                     "members": elastic.history[-1]["members"],
-                    "fanout": elastic.side.executors[0].schedule.fanout})
+                    "fanout": elastic.side.executors[0].schedule.fanout,
+                    "sparse": stats.sparse is not None and stats.sparse.used})
         if joined is not None:
             log.append({"step": step, "engine": 1, "sent": joined.refit(step).bytes_sent})
     elastic.close()

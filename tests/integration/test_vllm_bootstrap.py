@@ -17,10 +17,11 @@ share. Then C meets the trainer through vLLM's weight-transfer protocol (its ver
 kept: the backend adopts what the bootstrap filled). A fourth engine D (TP1), started
 from the step-0 checkpoint, is filled from A and B too and then joins the fleet through
 vLLM's weight-transfer protocol (``replica`` in its init info: its version kept); the
-step-2 refit reaches A, B and D at once (relayed through the three; D receiving into its
-staging, then swapping, as a served engine does) and C: every logical parameter of C and of D
-bit for bit what vLLM's own loaders make of step 2, and A, B and D answer bit for bit
-as a fresh TP1 engine of step 2.
+step-2 refit, sparse (the trainer's ``sparse="on"``: the engines hold its step 1),
+reaches A, B and D at once (the trainer's encoded messages passed on along A, B, D; D
+receiving into its staging, then swapping, as a served engine does) and C: every
+logical parameter of C and of D bit for bit what vLLM's own loaders make of step 2,
+and A, B and D answer bit for bit as a fresh TP1 engine of step 2.
 """
 
 from __future__ import annotations
@@ -189,11 +190,16 @@ def test_new_engine_bootstraps_from_two_live_peers_then_joins_the_next_refit(
         # A and B forwarded the other copy to each other
         one_copy = sum(t.numel() * t.element_size()  # every tensor of the model, once
                        for t in torch.load(out / "step1.pt").values())
-        for k, refit in enumerate((step1, step2)):
-            assert [r["bytes_received"] for r in refit] == [one_copy] * len(refit), refit
-            assert sum(rank[k]["sent"] for rank in trainer) == one_copy, trainer
-            relayed = [r["bytes_sent"] for r in refit]
-            assert sum(relayed) == (len(refit) - 1) * one_copy and min(relayed) > 0, relayed
+        assert [r["bytes_received"] for r in step1] == [one_copy] * len(step1), step1
+        assert sum(rank[0]["sent"] for rank in trainer) == one_copy, trainer
+        relayed = [r["bytes_sent"] for r in step1]
+        assert sum(relayed) == one_copy and min(relayed) > 0, relayed
+        # step 2, sparse, relayed: the trainer's encoded messages went to A alone, and
+        # each engine passed on what it received to the next (A -> B -> D), as it came
+        assert [rank[1]["sparse"] for rank in trainer] == [True, True], trainer
+        got2 = [r["bytes_received"] for r in step2]
+        assert sum(rank[1]["sent"] for rank in trainer) == got2[0] > 0, (trainer, step2)
+        assert [r["bytes_sent"] for r in step2] == got2[1:] + [0], step2
         print(f"fleet: the trainer sent {sum(rank[0]['sent'] for rank in trainer)} bytes, "
               f"A and B relayed {[r['bytes_sent'] for r in step1]}; at step 2 "
               f"{sum(rank[1]['sent'] for rank in trainer)}, A, B and D relayed "

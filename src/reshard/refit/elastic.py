@@ -92,10 +92,12 @@ class _EpochSide(Side):
     def __init__(self, meeting: Meeting, *, method: str, budget_bytes: int,
                  progress: bool | Callable[[int, int], None],
                  refit_timeout: timedelta | None, checksum: bool | str | None,
-                 fanout: str = "auto", sparse: str | None = None) -> None:
+                 fanout: str = "auto", sparse: str | None = None,
+                 version: int = NO_VERSION) -> None:
         self.method, self.fanout = method, fanout
         super().__init__(meeting, policy=None, budget_bytes=budget_bytes, progress=progress,
-                         refit_timeout=refit_timeout, checksum=checksum, sparse=sparse)
+                         refit_timeout=refit_timeout, checksum=checksum, sparse=sparse,
+                         version=version)
 
     def _build_executors(self, meeting: Meeting) -> list[Executor]:
         progress = self._options[2]  # the budget is the one every rank agreed on
@@ -228,7 +230,9 @@ class _Participant:
             meeting = Meeting(comm, the_plan, rank, side, 0 if side == "trainer" else rank,
                               self._epoch_key(ann.epoch))
             if self.side is None:
-                self.side = _EpochSide(meeting, **self._side_opts)
+                # made with the version held (a replica filled from its peers holds
+                # one whole): its sparse base from the first epoch on
+                self.side = _EpochSide(meeting, version=self.version, **self._side_opts)
             else:
                 self.side.enter(meeting)
             self.side.version = self.version
@@ -274,7 +278,10 @@ class ElasticSender(_Participant):
         ``sparse``: as for :class:`reshard.refit.RefitSender`; a replica that holds the
         trainer's last committed version gets only the changed values while one that
         does not (a joiner, one whose refit failed) gets its regions dense, in the same
-        refit (``docs/sparse.md``; its messages go direct, never relayed)."""
+        refit (``docs/sparse.md``). Where the dense refits relay, so do the sparse ones:
+        the replicas of one layout that hold the trainer's base form a chain, each
+        passing on the encoded messages it received (a joiner gets its dense regions
+        straight from the trainer)."""
         if sparse not in SPARSE_MODES:
             raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {sparse!r}")
         if layouts is None:

@@ -110,14 +110,17 @@ class Side:
     def __init__(self, meeting: Meeting, *, policy: Mapping[str, str] | None,
                  budget_bytes: int, progress: bool | Callable[[int, int], None],
                  refit_timeout: timedelta | None = None, checksum: bool | str | None = None,
-                 meet_args: dict[str, Any] | None = None, sparse: str | None = None) -> None:
+                 meet_args: dict[str, Any] | None = None, sparse: str | None = None,
+                 version: int = NO_VERSION) -> None:
         """``meet_args`` (as for :func:`meet`) are kept for :meth:`_remeet`. ``checksum``
         None: ``"hmac"`` when the meeting has a token, else off. ``sparse``: a sender's
-        mode (``"auto"``, ``"on"``, ``"off"``); None on a receiver, which follows."""
+        mode (``"auto"``, ``"on"``, ``"off"``); None on a receiver, which follows.
+        ``version``: what this rank holds already (an elastic replica filled from its
+        peers); NO_VERSION, nothing refitted yet, is older than any step."""
         self.sparse_refits = SparseRefits(sparse)
         if meet_args is not None:
             self._meet_args = meet_args
-        self.version = NO_VERSION  # nothing refitted yet: any step (>= 0) is newer
+        self.version = version
         self.broken = False  # a refit failed in the transport: reconnect() before the next
         self.pending: int | None = None  # a version received whole whose commit is in doubt
         self.refit_timeout, self.checksum = refit_timeout, checksum
