@@ -7,8 +7,8 @@ and Kimi-K2 (1T, FP8) at checkpoint-engine's published scale.
 Each case plans and simulates one replica from the trainer's layout (the cost model of
 ``reshard simulate``), then every fleet size from its loads. Prints one markdown table
 per case (the docs/fleets.md tables). ``--changed F``: a sparse refit's columns too, F
-of the engine-dtype values changed, as built (direct; ``reshard.sim.fleet``), for the
-cases of one plain engine dtype (the cost model has no sparse FP8 refit).
+of the engine-dtype values changed (of an FP8 engine's codes and scales), direct and
+relayed (``reshard.sim.fleet``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ CASES = (
 def run(replicas: tuple[int, ...], changed: float | None = None) -> list[dict]:
     out = []
     for name, src, replica, dtype, clusters, sizes in CASES:
-        if changed is not None and dtype == FP8:
-            continue
         model = preset(name)
         for cluster in clusters:
             points = fleet_curve(model, src, replica, cluster, sizes or replicas,

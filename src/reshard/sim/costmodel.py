@@ -97,7 +97,8 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
     with gc_paused():  # many small tuples, no cycles: see reshard.planner
         groups = tensor_groups(plan.tensors)
         bound_s, bound_what, network_bytes = _lower_bound(groups, net)
-        pairs = _plan_pairs(plan, groups)
+        itemsizes: list[int] = []
+        pairs = _plan_pairs(plan, groups, itemsizes)
         model = {"p2p": lambda: _p2p(pairs, net, budget_bytes, bound_s),
                  "reshard": lambda: _reshard(groups, net, budget_bytes, bound_s),
                  "gather_broadcast": lambda: gather_broadcast(plan, net, budget_bytes,
@@ -109,19 +110,9 @@ def simulate(plan: Plan, cluster: Cluster | str, *, ranks: RankMap | None = None
         predictions = {m: model[m]() for m in SIM_METHODS if m in methods}
         if changed is not None:
             predictions["sparse"] = sparse_prediction(
-                pairs, changed, _engine_itemsize(plan),
+                pairs, changed, np.asarray(itemsizes, dtype=np.float64),
                 lambda scaled: _p2p(scaled, net, budget_bytes, bound_s))
     return Simulation(cluster, ranks, predictions, bound_s, bound_what, network_bytes, pairs)
-
-
-def _engine_itemsize(plan: Plan) -> int:
-    """The engine dtype's element size (one for every tensor: a sparse refit of FP8
-    blocks is not modelled)."""
-    dtypes = {t.dst.dtype for t in plan.tensors}
-    if len(dtypes) != 1 or "float8" in min(dtypes):
-        raise ConfigError(f"--changed models one engine dtype, not FP8; the plan has "
-                          f"{sorted(dtypes)}")
-    return plan.tensors[0].dst.itemsize
 
 
 # ------------------------------------------------------------------------------- links
@@ -178,8 +169,10 @@ def _nics_per_domain(net: Net) -> dict[int, int]:
 
 # --------------------------------------------------------------------------------- p2p
 
-def _plan_pairs(plan: Plan, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(src, dst, bytes) of every remote transfer, with the plan's chosen senders."""
+def _plan_pairs(plan: Plan, groups, itemsizes: list[int] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes) of every remote transfer, with the plan's chosen senders;
+    ``itemsizes``, when given, gets each transfer's engine element size."""
     src: list[int] = []
     dst: list[int] = []
     amount: list[float] = []
@@ -192,6 +185,8 @@ def _plan_pairs(plan: Plan, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]
                     src.append(s)
                     dst.append(d_ranks[slot])
                     amount.append(b)
+                    if itemsizes is not None:
+                        itemsizes.append(t.dst.itemsize)
     for t in plan.tensors:  # replicated regions: each tensor has its own senders
         if t.senders:
             units, s_ranks, d_ranks = t.template.units, t.src.ranks, t.dst.ranks
@@ -201,6 +196,8 @@ def _plan_pairs(plan: Plan, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]
                     src.append(s_ranks[s])
                     dst.append(d_ranks[slot])
                     amount.append(u.nbytes)
+                    if itemsizes is not None:
+                        itemsizes.append(t.dst.itemsize)
     return (np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
             np.asarray(amount, dtype=np.float64))
 

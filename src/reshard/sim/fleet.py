@@ -116,7 +116,7 @@ def fleet_curve(model, src: str, replica: str, cluster: Cluster | str,
                 ) -> list[FleetPoint]:
     """Plan and simulate one replica (``replica``: its parallel spec, e.g. ``tp8``) from
     the trainer's ``src`` once, then every fleet size of ``replicas``; ``changed``: a
-    sparse refit's too (one engine dtype: not FP8, as ``reshard simulate --changed``)."""
+    sparse refit's too (as ``reshard simulate --changed``; FP8 block engines included)."""
     from reshard.sim.simulate import run_case
     from reshard.sim.specs import ParallelSpec
 
