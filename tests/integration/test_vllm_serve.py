@@ -20,6 +20,12 @@ had refit 1 left any value wrong, refit 2 would too).
 6. a second ``vllm serve``, started from the step-0 checkpoint with ``$RESHARD_PEERS``
    naming the live server, fills itself from the live server's committed weights as it
    starts, before it is ready: it answers as the fresh engine of step 3.
+7. both servers join a trainer's **fleet** through vLLM's weight-transfer protocol
+   (``replica`` in the init info; an ``ElasticSender``, ``sparse="on"``, its
+   ``fanout="relay"`` direct on one host) and take two refits overlapped with
+   generation on both: version 4 (step 2's values, dense: the fleet's first) and
+   version 5 (step 3's, sparse: each region encoded once for both); after each, both
+   answer as the fresh engine of that step.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from reshard.tools.rl_task import (  # noqa: E402
 from reshard.tools.serve import Server, serve_env  # noqa: E402
 
 JOB = Path(__file__).with_name("_serve_trainer_job.py")
+FLEET_JOB = Path(__file__).with_name("_serve_fleet_job.py")
 CHECK = [SYSTEM_PROMPT + [17, 42, 99, 256], SYSTEM_PROMPT + [5, 6, 7, 8, 9]]
 CHECK_TOKENS = 8
 #: In-flight traffic: 4 clients asking long requests back to back (up to the context's
@@ -93,7 +100,7 @@ def _answers(server: Server) -> list[dict]:
 TOKEN = new_token()
 
 
-def _trainers(args: list[str], out: Path, tag: str) -> list:
+def _trainers(args: list[str], out: Path, tag: str, job: Path = JOB) -> list:
     """The job's two ranks, each a process forked from the preloaded forkserver
     (``_engine_procs.start_job``: it imported vLLM's weight-transfer client once, about
     9 s of each rank's start here), output in ``out/{tag}{rank}.log``."""
@@ -101,7 +108,7 @@ def _trainers(args: list[str], out: Path, tag: str) -> list:
 
     port = free_port()
     env = {**os.environ, "SERVE_TEST_TOKEN": TOKEN}
-    return [start_job(JOB, [*args, "--rank", r, "--dist-port", port], env=env,
+    return [start_job(job, [*args, "--rank", r, "--dist-port", port], env=env,
                       stdout=out / f"{tag}{r}.log", stderr=out / f"{tag}{r}.log")
             for r in range(2)]
 
@@ -165,9 +172,57 @@ def scenario(tiny_server, tmp_path_factory):
         rec["joined"] = {"answers": _answers(joiner), "version": joiner.weight_version(),
                          "ranks": joiner.rpc("reshard_last"),
                          "lent": tiny_server.server.rpc("reshard_lent")}
+        try:  # its own test reports a failure here; the others stand on what came before
+            rec["fleet"] = _fleet([tiny_server.server, joiner], out)
+        except Exception as e:  # noqa: BLE001
+            logs = "\n".join((out / f).read_text(errors="replace")[-2000:]
+                             for f in sorted(p.name for p in out.glob("fleet-*.log")))
+            rec["fleet"] = {"error": f"{type(e).__name__}: {e}\n{logs}"}
     finally:
         joiner.stop()
     return rec
+
+
+def _fleet(servers: list[Server], out: Path) -> dict:
+    """Step 7: both servers join the fleet job's ``ElasticSender`` as replicas S1 and S2
+    (vLLM's weight-transfer protocol over HTTP, as any served engine joins), then take
+    versions 4 (step 2's values) and 5 (step 3's), clients generating on both while they
+    receive; per version, the trainer ranks' figures and each server's outcome."""
+    port = free_port()
+    procs = _trainers([str(out), str(port), "--versions", "4:step2,5:step3"], out,
+                      "fleet-", job=FLEET_JOB)
+    try:
+        _wait(out, "fleet-up", procs)
+        for server, rid in zip(servers, ("S1", "S2")):
+            server.post("init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": port, "replica": rid,
+                "fanout": "relay", "token": TOKEN}})
+        rec: dict = {"info": [server.rpc("reshard_info") for server in servers]}
+        for version in (4, 5):
+            _wait(out, f"fleet-ready{version}", procs)
+            for server in servers:  # each receives in the background while it serves
+                server.post("start_weight_update")
+                server.post("update_weights", {"update_info": {"background": True}})
+            traffic = [Traffic(server) for server in servers]
+            time.sleep(1.0)  # requests are running when the refit begins
+            (out / f"fleet-go{version}").touch()
+            trainer = [json.loads(_wait(out, f"fleet{version}-{r}.json", procs).read_text())
+                       for r in range(2)]
+            for server in servers:
+                server.post("finish_weight_update", {"weight_version": str(version)})
+            in_flight = [t.stop() for t in traffic]
+            rec[version] = {"trainer": trainer, "in_flight": in_flight,
+                            "errors": [t.errors for t in traffic],
+                            "answers": [_answers(server) for server in servers],
+                            "ranks": [server.rpc("reshard_last") for server in servers],
+                            "versions": [server.weight_version() for server in servers]}
+        for p in procs:
+            p.wait(120)
+        return rec
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _fresh_answers(model: Path) -> list[dict]:
@@ -353,3 +408,50 @@ def test_a_new_server_fills_itself_from_a_live_one_as_it_starts(scenario):
     assert sum(x["bytes_sent"] for x in lent) == sum(received) and min(received) > 0, lent
     assert _outputs(j["answers"]) == _outputs(scenario["fresh3"])  # bit for bit
     assert all(_spans(a) == ["3"] for a in j["answers"])
+
+
+def test_two_servers_refit_as_one_fleet(scenario):
+    """Step 7: two live servers, replicas of one fleet through vLLM's weight-transfer
+    protocol, refitted at once with requests in flight on both: both answer bit for bit
+    as the fresh engine of each step sent. The second server, filled from the first at
+    version 3 as it started, joined holding that version; the trainer's first refit of
+    the fleet (version 4) is dense, its second (version 5) sparse, each region encoded
+    once for both servers. Every rank here is on one host, one fast domain: the trainer
+    asked for relays (``fanout="relay"``) and the schedule feeds both servers directly,
+    as it should (relays between domains; a chain through engines receiving as served
+    ones do: test_vllm_bootstrap.py)."""
+    f = scenario["fleet"]
+    assert "error" not in f, f.get("error")
+    one_copy = None
+    for version, fresh in ((4, "fresh2"), (5, "fresh3")):
+        r = f[version]
+        assert all(t["ok"] for t in r["trainer"]), r["trainer"]
+        assert r["trainer"][0]["members"] == ["S1", "S2"], r["trainer"]
+        assert all(t["fanout"] == "direct" for t in r["trainer"]), r["trainer"]
+        assert r["versions"] == [str(version)] * 2
+        assert r["errors"] == [[], []]
+        for ranks in r["ranks"]:
+            assert all(x["committed"] and x["version"] == version for x in ranks), ranks
+            assert all(x["forwards_during_receive"] > 0 for x in ranks), ranks
+            assert len({x["swap_forward"] for x in ranks}) == 1, ranks
+        for answers in r["answers"]:
+            assert _outputs(answers) == _outputs(scenario[fresh])  # bit for bit
+            assert all(_spans(a) == [str(version)] for a in answers)
+        # requests in flight at each server's swap went on with the new weights
+        for answers in r["in_flight"]:
+            assert any(_spans(a)[-1] == str(version) and len(_spans(a)) > 1
+                       for a in answers), [a["versions"] for a in answers]
+        got = [sum(x["bytes_received"] for x in ranks) for ranks in r["ranks"]]
+        sent = [sum(x["bytes_sent"] for x in ranks) for ranks in r["ranks"]]
+        trainer = sum(t["sent"] for t in r["trainer"])
+        assert got[0] == got[1] and trainer == sum(got) and sent == [0, 0], (got, sent)
+        if version == 4:  # dense: the fleet's first refit
+            assert [t["sparse"] for t in r["trainer"]] == [False, False], r["trainer"]
+            one_copy = got[0]
+        else:  # sparse: both held version 4, its base
+            assert [t["sparse"] for t in r["trainer"]] == [True, True], r["trainer"]
+            assert all(x["sparse"]["wire_bytes"] == x["bytes_received"]
+                       for ranks in r["ranks"] for x in ranks), r["ranks"]
+            assert 0 < got[0] < 0.3 * one_copy, (got, one_copy)
+        print(f"fleet version {version}: each server received {got[0]} bytes, the "
+              f"trainer sent {trainer}")
