@@ -22,23 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _serve_trainer_job import wait_for  # the forkserver imported its vLLM client once
 
 from reshard.integrations import hf
 from reshard.refit import ElasticSender
-
-
-def wait_for(path: Path, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.05)
 
 
 def main() -> None:
