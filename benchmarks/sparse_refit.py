@@ -31,6 +31,12 @@ applying (the slower engine rank), and which encodings the regions took. At the 
 engine's weights after the last sparse refit are compared, bit for bit, with those a
 dense refit of the same values leaves. ``--profile DIR``: where each process's time in
 its sparse refits goes (cProfile).
+
+``--auto F``: instead, ``sparse="auto"`` over ``--steps`` refits at F changed each,
+against ``sparse="off"`` (two senders on the same parameters, two meetings; each step
+changes the values, then both refit them, one after the other): each one's refit times, the
+auto sender's bytes and which of its refits went sparse; then the engine's weights from
+both compared bit for bit. At F = 1 this is the issue's "at 100%, auto falls back".
 """
 
 from __future__ import annotations
@@ -214,6 +220,92 @@ def engine(rank, port, args, out):
     out.put(("engine", rank, same, applied))
 
 
+def auto_trainer(rank, port, args, out):
+    """``--auto``: the two senders, their refits alternating (auto's first)."""
+    jobs = _node(args, "trainer")
+    torch.set_num_threads(args.threads)
+    lays = layouts(tensors(args.model, args.layers), "trainer")
+    g = torch.Generator().manual_seed(rank)
+    params = {n: torch.randn(lay.local_shape(rank), generator=g) * 0.02 for n, lay in lays.items()}
+    auto = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="auto", **jobs)
+    off = RefitSender(params, layouts=lays, rank=rank, port=port + 1, sparse="off", **jobs)
+    for sender in (auto, off):
+        sender.refit(1)  # the first refit: dense, auto's copy made
+    got = []
+    for step in range(args.steps):
+        row = {}
+        change(params, args.auto, g)  # both send the same values: F changed since the last
+        for name, sender in (("auto", auto), ("off", off)):
+            args.barrier.wait()
+            s = sender.refit(step + 2)
+            # sparse: compared and encoded for its peers (backing off, auto sends every
+            # region dense to every peer, through the same transport)
+            row[name] = {"seconds": s.seconds, "sent": s.bytes_sent,
+                         "sparse": s.sparse is not None and s.sparse.used
+                         and not s.sparse.dense_peers}
+        got.append(row)
+    for sender in (auto, off):  # the same values through both: the engines must agree
+        args.barrier.wait()
+        sender.refit(args.steps + 2)
+    out.put(("trainer", rank, got, auto.sparse_refits.state_bytes()))
+
+
+def auto_engine(rank, port, args, out):
+    jobs = _node(args, "engine")
+    torch.set_num_threads(args.threads)
+    lays = layouts(tensors(args.model, args.layers), "engine")
+    served = [{n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16)
+               for n, lay in lays.items()} for _ in range(2)]
+    receivers = [RefitReceiver(t, lays, rank=rank, port=port + i, **jobs)
+                 for i, t in enumerate(served)]
+    for r in receivers:
+        r.refit()
+    for _ in range(args.steps + 1):
+        for r in receivers:
+            args.barrier.wait()
+            r.refit()
+    same = all(torch.equal(served[0][n].view(torch.int16), served[1][n].view(torch.int16))
+               for n in served[0])
+    out.put(("engine", rank, same, None))
+
+
+def run_auto(args) -> dict:
+    port = free_port()
+    while not _port_free(port + 1):
+        port = free_port()
+    got = _launch(args, auto_trainer, auto_engine, port)
+    return {"trainers": {r: rows for side, r, rows, _ in got if side == "trainer"},
+            "state_bytes": {r: b for side, r, _, b in got if side == "trainer"},
+            "engine_same": all(same for side, _, same, _ in got if side == "engine")}
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def auto_table(result: dict, args) -> str:
+    rows = list(result["trainers"].values())
+    lines = ["| step | auto s | off s | ratio | auto bytes / off bytes | auto went |",
+             "|---|---|---|---|---|---|"]
+    tot_a = tot_o = 0.0
+    for k in range(args.steps):
+        a = max(r[k]["auto"]["seconds"] for r in rows)
+        o = max(r[k]["off"]["seconds"] for r in rows)
+        sa, so = (sum(r[k][n]["sent"] for r in rows) for n in ("auto", "off"))
+        went = "sparse" if any(r[k]["auto"]["sparse"] for r in rows) else "dense (backing off)"
+        tot_a, tot_o = tot_a + a, tot_o + o
+        lines.append(f"| {k + 2} | {a:.3f} | {o:.3f} | {a / o:.2f}x | {sa / so:.4f}x | {went} |")
+    lines.append(f"| all | {tot_a:.3f} | {tot_o:.3f} | {tot_a / tot_o:.2f}x | | |")
+    return "\n".join(lines)
+
+
 def run(args) -> dict:
     args.nodes = None
     if not args.link_mbit:
@@ -225,16 +317,22 @@ def run(args) -> dict:
         return _run(args)
 
 
-def _run(args) -> dict:
-    ctx, port = mp.get_context("fork"), free_port()
+def _launch(args, trainer_fn, engine_fn, port: int) -> list:
+    """The two trainer and two engine ranks, forked; what each put in the queue."""
+    ctx = mp.get_context("fork")
     out, args.barrier = ctx.Queue(), ctx.Barrier(4)
-    jobs = [ctx.Process(target=f, args=(r, port, args, out)) for f in (trainer, engine)
+    jobs = [ctx.Process(target=f, args=(r, port, args, out)) for f in (trainer_fn, engine_fn)
             for r in (0, 1)]
     for p in jobs:
         p.start()
     got = [out.get(timeout=3600) for _ in jobs]
     for p in jobs:
         p.join(60)
+    return got
+
+
+def _run(args) -> dict:
+    got = _launch(args, trainer, engine, free_port())
     trainers = {r: rows for side, r, rows, _ in got if side == "trainer"}
     return {"trainers": trainers, "state_bytes": {r: b for side, r, _, b in got
                                                   if side == "trainer"},
@@ -286,9 +384,21 @@ def main() -> None:
                     "stats written there")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (4 "
                     "processes share the host: more than its cores oversubscribe it)")
+    ap.add_argument("--auto", type=float, default=None, help="sparse='auto' against "
+                    "sparse='off' over --steps refits at this fraction changed (loopback)")
+    ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     args.fractions = [float(x) for x in args.fractions.split(",")]
     t0 = time.perf_counter()
+    if args.auto is not None:
+        args.nodes = None
+        result = run_auto(args)
+        print(f"{args.model}: sparse='auto' against 'off', {args.steps} refits at "
+              f"{args.auto:.1%} changed each, loopback; {time.perf_counter() - t0:.0f} s")
+        print(auto_table(result, args))
+        print(f"auto's copy (state) bytes per rank: {result['state_bytes']}; the engine's "
+              f"weights from auto equal to those from off: {result['engine_same']}")
+        return
     result = run(args)
     specs = tensors(args.model, args.layers)
     numel = sum(torch.Size(s).numel() for s, _ in specs.values())

@@ -175,17 +175,42 @@ def test_sparse_refits_land_exactly_dense_where_the_base_differs():
     assert sum(state.values()) == SHAPE[0] * SHAPE[1] * 2 + 2 * 48 * 2
 
 
-def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay():
+#: the auto case's steps: those above, then three more 1% steps: the wait after step 6
+#: ends at step 10, and step 11 tries sparse again
+AUTO_STEPS = [*STEPS, 0.01, 0.01, 0.01]
+
+
+def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay(monkeypatch):
+    import sys
+
+    from reshard.refit import sparse
+
+    me = sys.modules[__name__]  # the forks see what is set here
+    monkeypatch.setattr(me, "STEPS", AUTO_STEPS)
+    monkeypatch.setattr(me, "FORGET_AT", 0)  # every engine rank keeps its base
+    # the bytes decide, not the time: a refit of these few kilobytes takes a
+    # millisecond, which the host's noise decides (tests/unit/test_sparse_auto.py has
+    # the time rule)
+    monkeypatch.setattr(sparse, "AUTO_SLOWER", float("inf"))
     trainers, engines, _ = _run("auto")
+    dense = SHAPE[0] * SHAPE[1] // 2 * 2 + 48 * 2  # one engine rank's bf16 bytes
     for log in engines.values():
-        assert all(exact for _, _, exact, _, _ in log), log
+        assert [v for _, v, _, _, _ in log] == [1, 2, 3, 3, *range(5, 12)]
+        assert all(exact for _, _, exact, _, _ in log), log  # every step, bit for bit
+        # the wait: plain dense refits (steps 7 to 9), then step 10 dense through the
+        # sparse transport, then step 11 sparse again, onto the rebuilt copy
+        assert all(log[k][4] is None and log[k][3] == dense for k in (6, 7, 8)), log
+        assert log[9][4].used and log[9][4].regions_by_encoding.keys() == {"dense"}
+        assert log[10][4].used and log[10][3] < 0.1 * dense, log[10]
     for log in trainers.values():
         kinds = [set(s.regions_by_encoding) if s is not None else None for _, _, s in log]
-        # step 2: sparse; step 6 (90% changed) did not pay, so it backs off: step 7 (1%
-        # changed) every region dense, through the sparse transport (the copy kept as it
-        # casts)
+        # step 2: sparse; step 6 (90% changed) did not pay, so it backs off for 4 refits:
+        # steps 7-9 plain dense (the copy left as it was), step 10 every region dense
+        # through the sparse transport (the copy rebuilt as it casts), step 11 sparse
         assert kinds[1] - {"dense"} and log[5][2].used, kinds
-        assert kinds[6] == {"dense"} and log[6][2].used, kinds
+        assert not any(log[k][2].used for k in (6, 7, 8)), kinds
+        assert kinds[9] == {"dense"} and log[9][2].used, kinds
+        assert kinds[10] - {"dense"} and log[10][2].used, kinds
 
 
 # -- elastic replicas: a joiner gets dense while the others get sparse -------------------

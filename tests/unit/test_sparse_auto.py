@@ -1,10 +1,12 @@
 """``sparse="auto"``'s rule, on plain numbers: after a sparse refit that moved more than
 half the dense bytes, or took the rank longer than its last dense refit, it sends dense
-for ``AUTO_BACKOFF`` refits, then tries sparse again; ``"on"`` never backs off."""
+for ``AUTO_BACKOFF`` refits, then tries sparse again, each try in a row that does not pay
+doubling the wait (up to ``AUTO_BACKOFF_MAX``); while it waits it asks for plain dense
+refits but the last, which rebuilds its copy; ``"on"`` never backs off."""
 
 from __future__ import annotations
 
-from reshard.refit.sparse import AUTO_BACKOFF, SparseRefits, SparseStats
+from reshard.refit.sparse import AUTO_BACKOFF, AUTO_BACKOFF_MAX, SparseRefits, SparseStats
 
 
 def _sparse(wire: int, dense: int = 1000) -> SparseStats:
@@ -34,3 +36,37 @@ def test_auto_tries_sparse_again_after_the_backoff():
         left.append(rule._skip)
         rule._auto(None, 1.0)  # each backed-off refit is dense
     assert left == list(range(AUTO_BACKOFF, -1, -1))
+
+
+def _wait_out(rule: SparseRefits) -> list[bool]:
+    """Dense refits until it asks for sparse again; what it asked at each."""
+    asked = []
+    while rule._skip:
+        asked.append(rule.view()[1])
+        rule._auto(None, 1.0)
+    return asked
+
+
+def test_auto_asks_plain_dense_refits_while_it_waits_but_the_last():
+    rule = SparseRefits("auto")
+    rule._auto(None, 1.0)
+    assert rule.view()[1]
+    rule._auto(_sparse(900), 0.5)  # did not pay
+    # plain dense (no copy kept), then the last through the sparse transport (its copy
+    # rebuilt as it casts), then a try
+    assert _wait_out(rule) == [False] * (AUTO_BACKOFF - 1) + [True]
+    assert rule.view()[1]
+
+
+def test_each_try_that_does_not_pay_doubles_the_wait_and_one_that_pays_resets_it():
+    rule = SparseRefits("auto")
+    rule._auto(None, 1.0)
+    waits = []
+    for _ in range(6):
+        rule._auto(_sparse(900), 0.5)  # the try did not pay
+        waits.append(len(_wait_out(rule)))
+    assert waits == [4, 8, 16, 32, 32, 32] and AUTO_BACKOFF_MAX == 32
+    rule._auto(_sparse(100), 0.5)  # this one pays: no wait, and the next is short again
+    assert rule._skip == 0 and rule.view()[1]
+    rule._auto(_sparse(900), 0.5)
+    assert rule._skip == AUTO_BACKOFF

@@ -42,9 +42,17 @@ AUTO_DENSE_ABOVE = 0.5
 bytes on a trainer rank, or that took that rank longer than its last dense refit, makes
 that rank send dense for a while ..."""
 AUTO_BACKOFF = 4
-"""... for this many refits, then it tries sparse again. Its dense refits go through the
-sparse transport, every region dense, cast straight into its copy and sent from there:
-the copy is kept at no extra pass."""
+"""... for this many refits, then it tries sparse again; each try in a row that does not
+pay doubles the next wait, up to :data:`AUTO_BACKOFF_MAX` (one that pays sets it back).
+While it waits its refits are plain dense ones and its copy is left as it was (its
+regions keep the older version they hold, so none is diffed against the new base); the
+last refit of the wait goes through the sparse transport, every region dense, cast
+straight into the copy and sent from there, so the try after it has its base whole at
+no extra pass."""
+AUTO_BACKOFF_MAX = 32
+AUTO_SLOWER = 1.0
+"""A sparse refit is slower than dense when it took this rank more than this times its
+last dense refit's time."""
 
 
 class SparseRefits:
@@ -64,15 +72,24 @@ class SparseRefits:
         self.copies = Copies()  # a sender's region copies, shared by its executors
         self.transports: dict[int, Any] = {}  # executor -> its sparse runner
         self._ran: set[int] = set()  # executors this refit ran sparse (copy kept as sent)
-        self._skip = 0
+        self._skip = 0  # auto: dense refits left before it tries sparse again
+        self._backoff = AUTO_BACKOFF  # auto: the next wait, if the next try does not pay
         self._encoded_sparse = False  # this refit sent some peer sparse regions
         self._dense_seconds: float | None = None  # the last dense refit's time (auto)
         self.last_ratio: float | None = None
 
     def view(self) -> tuple[int | None, bool]:
         """What this rank says in the refit's first collective: its base, and (a
-        trainer rank) whether it asks for a sparse refit."""
-        return self.base, not self.force_dense and self.mode in ("on", "auto")
+        trainer rank) whether it asks for a sparse refit (auto, waiting: not until the
+        last refit of its wait, which rebuilds its copy through the sparse transport)."""
+        return self.base, (not self.force_dense and self.mode in ("on", "auto")
+                           and not self._waiting)
+
+    @property
+    def _waiting(self) -> bool:
+        """Auto, backing off, with more than this refit to wait: a plain dense refit,
+        and no copy kept of it."""
+        return self.mode == "auto" and self._skip > 1
 
     @staticmethod
     def decide(views: list[tuple[int | None, bool] | None]) -> dict[int, int | None] | None:
@@ -121,11 +138,15 @@ class SparseRefits:
         if not self.keeps_copy:
             return
         t0 = time.perf_counter()
-        for ex in executors:
-            if ex.method in SPARSE_METHODS and id(ex) not in self._ran:
-                self.transport(ex).refresh(src)  # a dense refit: its copy made now
+        if self._ran or not self._waiting:
+            for ex in executors:
+                if ex.method in SPARSE_METHODS and id(ex) not in self._ran:
+                    self.transport(ex).refresh(src)  # a dense refit: its copy made now
+            self.copies.commit(version)
+        # else auto waiting, nothing sent through the sparse transport: the copies keep
+        # the older versions they hold (never diffed against this base), rebuilt at the
+        # last refit of the wait
         self._ran.clear()
-        self.copies.commit(version)
         self.base = version
         self._auto(stats if self._encoded_sparse else None, seconds)
         self._encoded_sparse = False
@@ -141,9 +162,13 @@ class SparseRefits:
             self._skip = max(0, self._skip - 1)
             return
         self.last_ratio = sparse.wire_bytes / sparse.dense_bytes
-        slower = self._dense_seconds is not None and seconds > self._dense_seconds
+        slower = (self._dense_seconds is not None
+                  and seconds > AUTO_SLOWER * self._dense_seconds)
         if self.mode == "auto" and (self.last_ratio > AUTO_DENSE_ABOVE or slower):
-            self._skip = AUTO_BACKOFF
+            self._skip = self._backoff
+            self._backoff = min(2 * self._backoff, AUTO_BACKOFF_MAX)
+        else:
+            self._backoff = AUTO_BACKOFF
 
     def failed(self) -> None:
         """The refit failed: a receiver's staging and a sender's copy may hold part of
