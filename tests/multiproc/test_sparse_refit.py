@@ -187,7 +187,6 @@ def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay(monkeypatch):
 
     me = sys.modules[__name__]  # the forks see what is set here
     monkeypatch.setattr(me, "STEPS", AUTO_STEPS)
-    monkeypatch.setattr(me, "FORGET_AT", 0)  # every engine rank keeps its base
     # the bytes decide, not the time: a refit of these few kilobytes takes a
     # millisecond, which the host's noise decides (tests/unit/test_sparse_auto.py has
     # the time rule)
@@ -202,7 +201,13 @@ def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay(monkeypatch):
         assert all(log[k][4] is None and log[k][3] == dense for k in (6, 7, 8)), log
         assert log[9][4].used and log[9][4].regions_by_encoding.keys() == {"dense"}
         assert log[10][4].used and log[10][3] < 0.1 * dense, log[10]
+    # step 3: engine rank 1 forgot its base and got dense, rank 0 sparse; what went dense
+    # to rank 1 does not count against sparse: no wait begins there (step 5, after the
+    # failure, is dense as ever, step 6 tries sparse)
+    assert engines[1][FORGET_AT - 1][4].regions_by_encoding.keys() == {"dense"}
+    assert engines[0][FORGET_AT - 1][3] < 0.3 * dense
     for log in trainers.values():
+        assert log[FORGET_AT - 1][2].unbased_bytes > 0
         kinds = [set(s.regions_by_encoding) if s is not None else None for _, _, s in log]
         # step 2: sparse; step 6 (90% changed) did not pay, so it backs off for 4 refits:
         # steps 7-9 plain dense (the copy left as it was), step 10 every region dense

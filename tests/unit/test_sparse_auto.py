@@ -70,3 +70,12 @@ def test_each_try_that_does_not_pay_doubles_the_wait_and_one_that_pays_resets_it
     assert rule._skip == 0 and rule.view()[1]
     rule._auto(_sparse(900), 0.5)
     assert rule._skip == AUTO_BACKOFF
+
+
+def test_regions_sent_dense_to_a_peer_without_the_base_do_not_count_against_sparse():
+    rule = SparseRefits("auto")
+    rule._auto(None, 1.0)
+    # 1000 of the 2000 dense bytes went whole to a joiner; the other 1000 took 50
+    rule._auto(SparseStats(used=True, dense_bytes=2000, wire_sent=1050,
+                           unbased_bytes=1000), 0.5)
+    assert rule._skip == 0 and rule.last_ratio == 0.05

@@ -50,6 +50,9 @@ class SparseStats:
     regions_by_encoding: dict[str, int] = field(default_factory=dict)
     dense_peers: tuple[int, ...] = ()
     """Sender: the receiving ranks sent dense because their base was not this rank's."""
+    unbased_bytes: int = 0
+    """Sender: the bytes of the regions it sent those ranks (in ``wire_sent`` and
+    ``dense_bytes`` too): a sparse refit could not have spared them."""
     dense_methods: tuple[str, ...] = ()
     """The policies whose tensors went as in a dense refit, in the same refit
     (``colocated``, ``gather_broadcast``: a sparse refit carries ``reshard`` and
@@ -74,7 +77,7 @@ class SparseStats:
     def merge(self, other: SparseStats) -> None:
         """Add another executor's share of the same refit."""
         for name in ("elements", "changed", "dense_bytes", "wire_sent", "wire_received",
-                     "rounds", "detect_seconds"):
+                     "rounds", "detect_seconds", "unbased_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.bytes_by_encoding, other.bytes_by_encoding),
                              (self.regions_by_encoding, other.regions_by_encoding)):
@@ -446,6 +449,8 @@ class SparseRunner:
         encs.append(enc)
         stats.add(enc.kind, enc.nbytes, enc.count, h.nbytes // self.dtypes[h.name].itemsize)
         stats.dense_bytes += h.nbytes
+        if not sparse:  # a peer without this rank's base
+            stats.unbased_bytes += enc.nbytes
         return enc.nbytes
 
     def _receivers(self, hops: list[Hop], head: list[int], device

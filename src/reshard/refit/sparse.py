@@ -39,7 +39,8 @@ SPARSE_MODES = ("auto", "on", "off")
 SPARSE_METHODS = ("reshard", "p2p")  # the executors whose tensors a sparse refit carries
 AUTO_DENSE_ABOVE = 0.5
 """``sparse="auto"``: a sparse refit whose wire bytes exceeded this fraction of the dense
-bytes on a trainer rank, or that took that rank longer than its last dense refit, makes
+bytes on a trainer rank (both without the regions it sent dense to peers without its
+base), or that took that rank longer than its last dense refit, makes
 that rank send dense for a while ..."""
 AUTO_BACKOFF = 4
 """... for this many refits, then it tries sparse again; each try in a row that does not
@@ -161,7 +162,9 @@ class SparseRefits:
             self._dense_seconds = seconds
             self._skip = max(0, self._skip - 1)
             return
-        self.last_ratio = sparse.wire_bytes / sparse.dense_bytes
+        # what went dense to peers without the base (a joiner) could not have been spared
+        based = sparse.dense_bytes - sparse.unbased_bytes
+        self.last_ratio = (sparse.wire_bytes - sparse.unbased_bytes) / based if based else 0.0
         slower = (self._dense_seconds is not None
                   and seconds > AUTO_SLOWER * self._dense_seconds)
         if self.mode == "auto" and (self.last_ratio > AUTO_DENSE_ABOVE or slower):
