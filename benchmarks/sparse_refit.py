@@ -220,15 +220,16 @@ def engine(rank, port, args, out):
     out.put(("engine", rank, same, applied))
 
 
-def auto_trainer(rank, port, args, out):
-    """``--auto``: the two senders, their refits alternating (auto's first)."""
+def auto_trainer(rank, ports, args, out):
+    """``--auto``: the two senders (a meeting each, at ``ports``), their refits
+    alternating (auto's first)."""
     jobs = _node(args, "trainer")
     torch.set_num_threads(args.threads)
     lays = layouts(tensors(args.model, args.layers), "trainer")
     g = torch.Generator().manual_seed(rank)
     params = {n: torch.randn(lay.local_shape(rank), generator=g) * 0.02 for n, lay in lays.items()}
-    auto = RefitSender(params, layouts=lays, rank=rank, port=port, sparse="auto", **jobs)
-    off = RefitSender(params, layouts=lays, rank=rank, port=port + 1, sparse="off", **jobs)
+    auto, off = (RefitSender(params, layouts=lays, rank=rank, port=port, sparse=mode, **jobs)
+                 for port, mode in zip(ports, ("auto", "off")))
     for sender in (auto, off):
         sender.refit(1)  # the first refit: dense, auto's copy made
     got = []
@@ -250,14 +251,14 @@ def auto_trainer(rank, port, args, out):
     out.put(("trainer", rank, got, auto.sparse_refits.state_bytes()))
 
 
-def auto_engine(rank, port, args, out):
+def auto_engine(rank, ports, args, out):
     jobs = _node(args, "engine")
     torch.set_num_threads(args.threads)
     lays = layouts(tensors(args.model, args.layers), "engine")
     served = [{n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16)
                for n, lay in lays.items()} for _ in range(2)]
-    receivers = [RefitReceiver(t, lays, rank=rank, port=port + i, **jobs)
-                 for i, t in enumerate(served)]
+    receivers = [RefitReceiver(t, lays, rank=rank, port=port, **jobs)
+                 for port, t in zip(ports, served)]
     for r in receivers:
         r.refit()
     for _ in range(args.steps + 1):
@@ -270,24 +271,10 @@ def auto_engine(rank, port, args, out):
 
 
 def run_auto(args) -> dict:
-    port = free_port()
-    while not _port_free(port + 1):
-        port = free_port()
-    got = _launch(args, auto_trainer, auto_engine, port)
+    got = _launch(args, auto_trainer, auto_engine, (free_port(), free_port()))
     return {"trainers": {r: rows for side, r, rows, _ in got if side == "trainer"},
             "state_bytes": {r: b for side, r, _, b in got if side == "trainer"},
             "engine_same": all(same for side, _, same, _ in got if side == "engine")}
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def auto_table(result: dict, args) -> str:
@@ -317,7 +304,7 @@ def run(args) -> dict:
         return _run(args)
 
 
-def _launch(args, trainer_fn, engine_fn, port: int) -> list:
+def _launch(args, trainer_fn, engine_fn, port) -> list:
     """The two trainer and two engine ranks, forked; what each put in the queue."""
     ctx = mp.get_context("fork")
     out, args.barrier = ctx.Queue(), ctx.Barrier(4)
