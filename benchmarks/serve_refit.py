@@ -218,8 +218,7 @@ def run(a: argparse.Namespace) -> dict:
                     if mode == "none":
                         continue
                     step += 1
-                    (out / f"go{step}").write_text(json.dumps(
-                        {"overlap": mode == "overlapped"}))
+                    _order(out, step, {"overlap": mode == "overlapped"})
                     refit = json.loads(_wait(out / f"refit{step}.json", procs).read_text())
                     refit["engine"] = server.rpc("reshard_last")  # each rank's own figures
                     refits.append(refit)
@@ -231,14 +230,14 @@ def run(a: argparse.Namespace) -> dict:
             # the last version's weights on every server rank, against vLLM's own loader
             # fed the trainer's full state dict (logical tensors and packed GEMMs)
             step += 1
-            (out / f"go{step}").write_text(json.dumps({"overlap": True, "save": True}))
+            _order(out, step, {"overlap": True, "save": True})
             _wait(out / f"refit{step}.json", procs)
             verify = server.rpc("reshard_verify", str(out / "last.pt"))
             results["verify"] = [{k: v[k] for k in ("checked", "mismatched", "live_mismatched")}
                                  for v in verify]
             print(f"weights after the last refit vs vLLM's loader: {results['verify']}")
             results["engine_ranks"] = server.rpc("reshard_last")
-            (out / f"go{step + 1}").write_text(json.dumps({"stop": True}))
+            _order(out, step + 1, {"stop": True})
             for p in procs:
                 p.wait(120)
         finally:
@@ -317,6 +316,14 @@ def table(results: dict) -> str:
                 f"{gap if gap is None else round(gap, 3)} (medians over "
                 f"{len(modes['overlapped']['refits'])} refits each)")
     return "\n".join(rows)
+
+
+def _order(out: Path, step: int, order: dict) -> None:
+    """``go{step}`` for the trainer ranks, whole when it appears (a rank polling for it
+    read an empty file once, between its creation and its write)."""
+    tmp = out / f".go{step}"
+    tmp.write_text(json.dumps(order))
+    os.replace(tmp, out / f"go{step}")
 
 
 def _wait(path: Path, procs: list[subprocess.Popen], timeout: float = 1200) -> Path:
