@@ -16,8 +16,17 @@ and embedding row scaled by exp(N(0, 0.3^2)) around transformers' N(0, 0.02) ini
 norm gain exp(N(0, 0.5^2)) instead of all 1.0), since a bf16 value's step (its ulp)
 follows its magnitude; ``--init hf`` keeps transformers' init (every norm gain 1.0).
 
+``--fp8`` also measures an FP8 block engine (DeepSeek-V3's format: 128 x 128 blocks,
+e4m3 codes, a float32 scale per block, through :func:`reshard.quant.quantize_reference`,
+bit for bit what a refit into such an engine sends): of the weights such a checkpoint
+holds in FP8 (``reshard.quant.targets.FP8_WEIGHTS``: attention and MLP linears), the
+fraction of one-byte codes, of scales and of whole blocks (a code or its scale) that
+changed, which is what a sparse refit into an FP8 engine compares and sends; with float32
+scales (``amax / 448``, DeepSeek-V3's) and with scales rounded up to powers of two
+(``ue8m0``, DeepGEMM's), both from the same run.
+
     python benchmarks/rl_sparsity.py --model qwen3-0.6b --prefix 32 --out FILE.json
-    python benchmarks/rl_sparsity.py --model tiny --out FILE.json
+    python benchmarks/rl_sparsity.py --model tiny --fp8 --out FILE.json
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchtools import write_json  # noqa: E402
 from refit_real_models import MODELS  # noqa: E402
+from reshard.quant import BlockFormat, quantize_reference  # noqa: E402
+from reshard.quant.targets import FP8_WEIGHTS  # noqa: E402
 from reshard.tools import rl_task  # noqa: E402
 
 KINDS = ("embeddings", "attention", "mlp", "norms")
@@ -104,10 +115,46 @@ def bf16_bits(net: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in net.named_parameters()}
 
 
+FP8_PARTS = ("codes", "scales", "blocks")
+FP8_FORMATS = {"fp8": BlockFormat(), "fp8_ue8m0": BlockFormat(ue8m0=True)}
+
+
+def fp8_bits(net: torch.nn.Module, fmt: BlockFormat
+             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each FP8 checkpoint weight as an FP8 block engine holds it: its codes' bits and
+    its float32 scales' bits."""
+    out = {}
+    for n, p in net.named_parameters():
+        if FP8_WEIGHTS.match(n):
+            q, scale = quantize_reference(p.detach(), fmt)
+            out[n] = (q.view(torch.uint8), scale.view(torch.int32).clone())
+    return out
+
+
+def fp8_changed(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """Per kind: codes, scales and blocks (128 x 128, a code or its scale) changed, and
+    how many there are of each."""
+    out: dict[str, dict[str, int]] = {}
+    for n, (q, s) in after.items():
+        q0, s0 = before[n]
+        rows, cols = s.shape
+        diff = q != q0
+        padded = torch.zeros(rows * 128, cols * 128, dtype=torch.bool)
+        padded[:q.shape[0], :q.shape[1]] = diff
+        blocks = padded.view(rows, 128, cols, 128).any(dim=3).any(dim=1) | (s != s0)
+        k = out.setdefault(kind_of(n), {f"{x}{y}": 0 for x in FP8_PARTS for y in ("", "_n")})
+        for part, changed, total in (("codes", diff, q), ("scales", s != s0, s),
+                                     ("blocks", blocks, s)):
+            k[part] += int(changed.sum())
+            k[part + "_n"] += total.numel()
+    return out
+
+
 def run(args: argparse.Namespace, lr: float) -> dict:
     net = build(args.model, args.init, args.seed)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, foreach=False)
     batch, before = prompts(args.prefix), bf16_bits(net)
+    fp8_before = {f: fp8_bits(net, fmt) for f, fmt in FP8_FORMATS.items()} if args.fp8 else None
     sizes = {k: 0 for k in KINDS}
     for n, b in before.items():
         sizes[kind_of(n)] = sizes.get(kind_of(n), 0) + b.numel()
@@ -124,9 +171,18 @@ def run(args: argparse.Namespace, lr: float) -> dict:
         steps.append({"step": step, "loss": loss, "reward": mean_reward,
                       "changed": {k: changed[k] / sizes[k] for k in sizes if sizes[k]},
                       "total": total, "seconds": time.perf_counter() - t0})
-        print(f"lr {lr:g} step {step}: {total:.2%} changed "
-              + " ".join(f"{k} {v:.2%}" for k, v in steps[-1]["changed"].items())
-              + f" ({steps[-1]['seconds']:.1f} s)", flush=True)
+        line = (f"lr {lr:g} step {step}: {total:.2%} changed "
+                + " ".join(f"{k} {v:.2%}" for k, v in steps[-1]["changed"].items()))
+        for f, fmt in FP8_FORMATS.items() if fp8_before is not None else ():
+            fp8_after = fp8_bits(net, fmt)
+            per_kind = fp8_changed(fp8_before[f], fp8_after)
+            fp8_before[f] = fp8_after
+            fp8 = {k: {p: c[p] / c[p + "_n"] for p in FP8_PARTS} for k, c in per_kind.items()}
+            fp8["all"] = {p: sum(c[p] for c in per_kind.values())
+                          / sum(c[p + "_n"] for c in per_kind.values()) for p in FP8_PARTS}
+            steps[-1][f] = fp8
+            line += f"; {f} " + " ".join(f"{p} {fp8['all'][p]:.2%}" for p in FP8_PARTS)
+        print(line + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return {"lr": lr, "elements": sizes, "steps": steps}
 
 
@@ -145,6 +201,25 @@ def table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def fp8_table(runs: list[dict]) -> str:
+    """Mean (min-max) over the steps, per scale format: the FP8 codes changed per kind
+    of the weights an FP8 checkpoint quantizes, and in all of them the codes, scales
+    and blocks."""
+    kinds = [k for k in (*KINDS, "other") if k in runs[0]["steps"][0]["fp8"]]
+    cols = [(k, "codes") for k in kinds] + [("all", p) for p in FP8_PARTS]
+    head = "| scales | lr | " + " | ".join(f"{k} {p}" for k, p in cols) + " |"
+    rows = [head, "|" + "---|" * (len(cols) + 2)]
+    for f in FP8_FORMATS:
+        for r in runs:
+            cells = []
+            for k, p in cols:
+                v = [s[f][k][p] for s in r["steps"]]
+                cells.append(f"{sum(v) / len(v):.2%} ({min(v):.2%}-{max(v):.2%})")
+            scales = "ue8m0" if f.endswith("ue8m0") else "float32"
+            rows.append(f"| {scales} | {r['lr']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["tiny", *MODELS], default="tiny")
@@ -157,6 +232,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core host two threads "
                         "spin against each other, 27 s a tiny step against 0.5 s)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the codes, scales and blocks an FP8 block engine would see "
+                        "change (the attention and MLP linears)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -166,6 +244,10 @@ def main() -> int:
           f"{args.prefix} shared + own tokens, {SAMPLES} x {rl_task.ROLLOUT_TOKENS}-token "
           "rollouts each: bf16 values changed per step, mean (min-max)")
     print(table(runs))
+    if args.fp8:
+        print("\nFP8 block engine (128 x 128 blocks, e4m3 codes; float32 or ue8m0 scales) of the "
+              "attention and MLP linears: changed per step, mean (min-max)")
+        print(fp8_table(runs))
     if args.out:
         write_json(args.out, {"model": args.model, "init": args.init, "args": vars(args)
                               | {"out": str(args.out)}, "runs": runs})
