@@ -74,7 +74,7 @@ class FailingParams(dict):
 MIXED_POLICY = {"embed.weight": "gather_broadcast", "down_proj.weight": "gather_broadcast"}
 
 
-def trainer(rank, world, port, out_dir, fail_at, mixed=False):
+def trainer(rank, world, port, out_dir, fail_at, mixed=False, sparse="auto"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -85,7 +85,7 @@ def trainer(rank, world, port, out_dir, fail_at, mixed=False):
     extra = dict(policy=MIXED_POLICY, budget_bytes=1024) if mixed else {}
     sender = RefitSender(params, host="127.0.0.1", port=port, rank=rank, trainer_size=world,
                          inference_size=TP, timeout=__import__("datetime").timedelta(seconds=60),
-                         **extra)
+                         sparse=sparse, **extra)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     log = []
     for step in range(1, STEPS + 1):
@@ -135,7 +135,7 @@ def inference_layouts(rank: int):
     return targets, layouts, (qkv, gate_up, embed)
 
 
-def inference(rank, world, port, out_dir, fail_at, mixed=False):
+def inference(rank, world, port, out_dir, fail_at, mixed=False, sparse=None):
     targets, layouts, fused = inference_layouts(rank)
     receiver = RefitReceiver(targets, layouts, host="127.0.0.1", port=port, rank=rank,
                              trainer_size=2, inference_size=TP,
@@ -177,10 +177,12 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--fail-at", type=int, default=-1)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--sparse", default="auto", choices=("auto", "on", "off"))
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if a.side == "trainer":
-        logs = run_processes(trainer, 2, a.port, a.out_dir, a.fail_at, a.mixed, timeout=240)
+        logs = run_processes(trainer, 2, a.port, a.out_dir, a.fail_at, a.mixed, a.sparse,
+                             timeout=240)
     else:
         logs = run_processes(inference, TP, a.port, a.out_dir, a.fail_at, a.mixed,
                              timeout=240, init=False)

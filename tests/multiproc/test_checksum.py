@@ -1,6 +1,8 @@
 """The integrity option: a byte flipped in transit (a hook on one receiving rank) fails
 the refit cleanly on every rank with ``checksum``, the previous version stays live, and
-the next refit on the same group succeeds; without it the corruption goes unnoticed."""
+the next refit on the same group succeeds; without it the corruption goes unnoticed.
+Dense refits (``sparse="off"``) and sparse ones (``"on"``: the flip lands in the second
+refit's encoded messages) alike."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ def _flip(k: int, peer: int, buf: torch.Tensor) -> None:
     buf.view(torch.uint8)[buf.numel() // 2] ^= 0x10  # one bit, mid-message
 
 
-def _job(rank, _world, port, checksum, scale=1):
+def _job(rank, _world, port, checksum, scale=1, sparse="off"):
     keyed = {"token": "checksum-test-token-0123"} if checksum == "hmac" else {}
+    if rank < T:
+        keyed["sparse"] = sparse
     side, tensors, layouts, r = make_side(rank, port, scale, checksum=checksum, **keyed)
     direct = 0
     log = []
@@ -27,7 +31,8 @@ def _job(rank, _world, port, checksum, scale=1):
         if rank < T:
             set_version(tensors, layouts, r, version)
         runner = side.executors[0]._runner
-        runner.on_receive = _flip if (rank == T + 1 and version == 2) else None
+        hooked = side.executors[0].sparse_runner() if sparse == "on" else runner
+        hooked.on_receive = _flip if (rank == T + 1 and version == 2) else None
         direct = max(direct, runner.stats.direct_messages)  # the previous refit's
         try:
             side.refit(version) if rank < T else side.refit()
@@ -41,13 +46,16 @@ def _job(rank, _world, port, checksum, scale=1):
     return log
 
 
-@pytest.mark.parametrize(("kind", "scale"),
-                         [("sum", 1), ("crc32", 1), ("sum", 8), ("hmac", 1)],
-                         ids=["sum-packed", "crc32-packed", "sum-direct", "hmac-packed"])
-def test_corrupted_message_fails_refit_on_every_rank(kind, scale):
-    logs = run_processes(_job, 2 * T, free_port(), kind, scale, init=False, timeout=120)
-    # scale 8: messages of 1 MiB and more travel unpacked, straight into the shadow
-    assert (logs[T + 1][-1]["direct_messages"] > 0) == (scale > 1), logs[T + 1][-1]
+@pytest.mark.parametrize(("kind", "scale", "sparse"),
+                         [("sum", 1, "off"), ("crc32", 1, "off"), ("sum", 8, "off"),
+                          ("hmac", 1, "off"), ("crc32", 1, "on"), ("hmac", 8, "on")],
+                         ids=["sum-packed", "crc32-packed", "sum-direct", "hmac-packed",
+                              "crc32-sparse", "hmac-sparse-direct"])
+def test_corrupted_message_fails_refit_on_every_rank(kind, scale, sparse):
+    logs = run_processes(_job, 2 * T, free_port(), kind, scale, sparse, init=False,
+                         timeout=120)
+    if sparse == "off":  # scale 8: messages of 1 MiB and more travel unpacked, in place
+        assert (logs[T + 1][-1]["direct_messages"] > 0) == (scale > 1), logs[T + 1][-1]
     for *log, _ in logs:
         first, bad, last = log
         assert first["ok"] and first["exact"], log

@@ -60,8 +60,13 @@ def test_trainer_only_policy_and_budget_are_agreed_by_both_sides(tmp_path):
     assert all(e["ok"] for rank_log in trainer for e in rank_log)
 
 
-def test_sender_failing_midway_keeps_previous_version(tmp_path):
-    trainer, inference = _run(tmp_path, "--fail-at", "2")
+@pytest.mark.parametrize("sparse", ["off", "auto"])
+def test_sender_failing_midway_keeps_previous_version(tmp_path, sparse):
+    """A trainer rank that cannot read a parameter midway through refit 2 (dense, or
+    sparse by default): every rank fails it cleanly, the previous version stays in place,
+    the group stays whole and refit 3 lands (once, a sparse refit took the failed read
+    for a dead peer and broke the group)."""
+    trainer, inference = _run(tmp_path, "--fail-at", "2", "--sparse", sparse)
     for rank_log in inference:
         assert rank_log[0]["ok"] and rank_log[0]["exact"]
         failed = rank_log[1]

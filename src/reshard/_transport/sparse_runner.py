@@ -64,6 +64,8 @@ class SparseStats:
     copy_seconds: float = 0.0
     """Sender: keeping that copy after a dense refit (each region cast into it once the
     version was committed); a sparse refit updates it as it encodes."""
+    declined: str | None = None
+    """Sender, ``sparse="auto"``: why it keeps no copy (it would not fit), so sends dense."""
 
     @property
     def changed_fraction(self) -> float:
@@ -167,10 +169,29 @@ class SparseRunner:
         self.read_error: BaseException | None = None
         self.corrupt: str | None = None
         self._runs = 0
+        #: test hook, as the dense runner's: (step, peer, each received part) before the
+        #: checksum is checked
+        self.on_receive: Callable[[int, int, torch.Tensor], None] | None = None
 
     @property
     def state_bytes(self) -> int:
         return self.copies.nbytes
+
+    @property
+    def copy_bytes(self) -> int:
+        """What the copy of every region this rank sends takes (replicas of one layout
+        share theirs)."""
+        return sum(dict(zip(self.keys, (h.nbytes for h in self.sends))).values())
+
+    def copy_device(self, src) -> torch.device | None:
+        """Where that copy lives: the device of what this rank sends from (None: it
+        sends nothing)."""
+        for name in self.views.src_names if self.sends else ():
+            try:
+                return src[name].device
+            except Exception:  # noqa: BLE001 - unreadable now: ask another
+                continue
+        return None
 
     def _key(self, h: Hop) -> tuple:
         """A region as its source and place say, whichever replica's tensor it lands in."""
@@ -477,6 +498,8 @@ class SparseRunner:
         t0 = time.perf_counter()
         items = head[2:]
         peer = st.origin
+        for part in parts if self.on_receive is not None else ():
+            self.on_receive(k, peer, part)
         if self.checksum and head[1] != self._digest(k - st.delay, st.origin, st.head, items,
                                                      parts):
             self.corrupt = self.corrupt or (f"checksum mismatch on the sparse message from "
@@ -521,7 +544,10 @@ class SparseRunner:
         for names, tensors in ((self.views.src_names, self.views.src),
                                (self.views.dst_names, self.views.dst)):
             for name in names:
-                return tensors[name].device
+                try:
+                    return tensors[name].device
+                except Exception:  # noqa: BLE001 - a source that cannot be read now: its
+                    continue  # region's encoding reports it, the refit fails cleanly
         return torch.device("cpu")
 
     def _wait(self, work: Any) -> None:
