@@ -61,7 +61,7 @@ def _trainer_rank(rank: int, world: int, model_dir: str, ports: list[int],
     params, layouts = hf.refit_params(model)
     senders = [RefitSender(params, layouts=layouts, host=HOST, port=port, rank=rank,
                            trainer_size=world, inference_size=tp,
-                           timeout=timedelta(seconds=600))
+                           timeout=timedelta(seconds=600), sparse="off")
                for port, tp in zip(ports, (1, 1, 2))]
     for sender in senders[:2]:  # the peers: version 1
         sender.refit(1)

@@ -60,7 +60,7 @@ def _rank(rank: int, world: int, port: int, a) -> dict:
     full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
     if trainer:
         params = {n: src[n].shard(full[n], rank) for n in shapes}
-        side = RefitSender(params, layouts=src, rank=rank, **opts)
+        side = RefitSender(params, layouts=src, rank=rank, sparse="off", **opts)  # dense
     else:
         r = rank - a.trainer
         targets = {n: torch.zeros(dst[n].local_shape(r), dtype=torch.bfloat16) for n in shapes}

@@ -70,7 +70,7 @@ def _job(rank: int, _world: int, port: int, args, fp8: bool) -> dict:
     if rank < args.trainer:
         layouts = trainer_layouts(args.layers, args.trainer)
         params = {n: fill_local(lay, rank) for n, lay in layouts.items()}
-        side = RefitSender(params, layouts=layouts, rank=rank, **opts)
+        side = RefitSender(params, layouts=layouts, rank=rank, sparse="off", **opts)  # dense
         runs = [side.refit(v) for v in range(1, args.repeats + 2)]
     else:
         r = rank - args.trainer

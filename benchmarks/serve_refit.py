@@ -67,7 +67,8 @@ def trainer(a: argparse.Namespace) -> None:
             hf.shard_fsdp2(model)
         dist.barrier()
     info = ReshardTrainerInitInfo("127.0.0.1", a.meet_port, trainer_size=2, inference_size=2,
-                                  rank=a.trainer, timeout_s=600)
+                                  rank=a.trainer, timeout_s=600,
+                                  sparse="off")  # the pause of a dense refit
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=HTTPVLLMWeightSyncClient(a.url), source=model)
     out = Path(a.out)

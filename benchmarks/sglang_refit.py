@@ -69,7 +69,7 @@ def reshard_trainer(rank: int, world: int, model_dir: str, port: int, tp: int,
     params, layouts = hf.refit_params(_model(model_dir))
     sender = RefitSender(params, layouts=layouts, host="127.0.0.1", port=port, rank=rank,
                          trainer_size=world, inference_size=tp,
-                         timeout=timedelta(seconds=300))
+                         timeout=timedelta(seconds=300), sparse="off")  # dense refits
     seconds = []
     for step in range(1, reps + 1):
         dist.barrier()

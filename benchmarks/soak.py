@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, port: int, a) -> dict:
     trainer = rank < a.trainer
     if trainer:
         params = {n: torch.zeros(src[n].local_shape(rank)) for n in shapes}
-        side = RefitSender(params, layouts=src, rank=rank, **opts)
+        side = RefitSender(params, layouts=src, rank=rank, sparse="off", **opts)  # dense
     else:
         r = rank - a.trainer
         targets = {n: torch.zeros(dst[n].local_shape(r), dtype=torch.bfloat16) for n in shapes}

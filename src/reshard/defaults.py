@@ -74,3 +74,9 @@ NO_VERSION = -1
 #: Message digests the executor can check (``checksum="sum"``, ``"crc32"``, or
 #: ``"hmac"``: keyed, with a meeting's token).
 CHECKSUMS = ("sum", "crc32", "hmac")
+
+#: A trainer's sparse-refit mode unless it asks otherwise (``docs/sparse.md``): after the
+#: first refit only the engine-dtype values that changed travel, where that pays in
+#: bytes, in time and in memory (``reshard.refit.sparse``: ``AUTO_*``); dense elsewhere.
+#: ``"on"`` always (after the first), ``"off"`` never (no copy kept).
+DEFAULT_SPARSE = "auto"

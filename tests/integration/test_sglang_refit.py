@@ -186,7 +186,12 @@ def check_refit(rec: dict, ref: dict, step: int, cfg, tp: int) -> None:
     assert [o["rank"] for o in rec["result"]] == list(range(tp))
     for o in rec["result"]:
         assert o["ok"] and o["version"] == step
-        assert o["bytes_received"] == o["expected_bytes"] == shard_bytes(cfg, tp, o["rank"])
+        sparse = o["sparse"]  # the trainer's default sparse="auto": after the first refit
+        if sparse is None:
+            assert o["bytes_received"] == o["expected_bytes"] == shard_bytes(cfg, tp, o["rank"])
+        else:  # its regions cover exactly the rank's shard; only the changed values came
+            assert sparse["dense_bytes"] == o["expected_bytes"] == shard_bytes(cfg, tp, o["rank"])
+            assert o["bytes_received"] == sparse["wire_bytes"] <= 1.02 * sparse["dense_bytes"]
 
 
 def test_fsdp2_trainer_refits_sglang_tp2_and_a_lost_rank_keeps_the_version(tmp_path):

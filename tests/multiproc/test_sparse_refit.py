@@ -218,6 +218,26 @@ def test_auto_goes_dense_after_a_refit_where_sparse_did_not_pay(monkeypatch):
         assert kinds[10] - {"dense"} and log[10][2].used, kinds
 
 
+def test_auto_short_of_memory_keeps_no_copy_and_refits_dense(monkeypatch):
+    """``sparse="auto"`` (the default) where its copy would take more than
+    ``AUTO_MEMORY_FRACTION`` of the free memory (here: any copy at all): no trainer rank
+    keeps one, each says why, and every refit is dense and exact."""
+    from reshard.refit import sparse
+
+    monkeypatch.setattr(sparse, "AUTO_MEMORY_FRACTION", 0.0)  # the forks see it
+    trainers, engines, state = _run("auto")
+    dense = SHAPE[0] * SHAPE[1] // 2 * 2 + 48 * 2  # one engine rank's bf16 bytes
+    assert state == {0: 0, 1: 0}  # no copy on either trainer rank
+    for log in trainers.values():
+        done = [s for ok, _, s in log if ok == "ok"]
+        assert len(done) == len(STEPS) - 1 and not any(s.used for s in done), log
+        assert all("keeps no copy" in s.declined for s in done), done
+    for log in engines.values():
+        assert all(exact for _, _, exact, _, _ in log), log
+        assert all(got is None or (sp is None and got == dense)
+                   for ok, _, _, got, sp in log), log
+
+
 # -- elastic replicas: a joiner gets dense while the others get sparse -------------------
 ELASTIC_STEPS = [1.0, 0.02, 0.03, 0.01, 1.0]  # changed per step; B and C join before step 3
 JOIN_AT = 3

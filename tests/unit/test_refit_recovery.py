@@ -109,7 +109,8 @@ def test_versions_are_steps_from_0_and_a_step_not_newer_is_refused_everywhere(si
     ss, step = sides
     assert [s.version for s in ss] == [NO_VERSION] * 3
     assert [s.sparse_refits.view()[0] for s in ss] == [None] * 3
-    assert SparseRefits.decide([(0, True), (None, False), (None, False)]) is None  # dense
+    assert SparseRefits.decide([(0, True, False), (None, False, False),
+                                (None, False, False)]) is None  # dense
     assert all(ok for ok, _ in step(lambda s: refit(s, 0)))
     assert [s.version for s in ss] == [0, 0, 0] and [live(s) for s in ss[1:]] == [0, 0]
     assert [s.sparse_refits.view()[0] for s in ss[1:]] == [0, 0]

@@ -79,3 +79,45 @@ def test_regions_sent_dense_to_a_peer_without_the_base_do_not_count_against_spar
     rule._auto(SparseStats(used=True, dense_bytes=2000, wire_sent=1050,
                            unbased_bytes=1000), 0.5)
     assert rule._skip == 0 and rule.last_ratio == 0.05
+
+
+def test_auto_declines_a_copy_that_would_not_fit_and_the_group_goes_dense(monkeypatch):
+    """``sparse="auto"`` keeps its copy only where it takes at most
+    ``AUTO_MEMORY_FRACTION`` of the memory free where it would live: short of it the rank
+    declines (says why, asks no sparse refit) and, once its view is heard, no refit of
+    the meeting goes sparse and every other auto rank lets its copy go; ``"on"`` keeps
+    it anyway."""
+    import torch
+
+    from reshard.refit import sparse
+
+    class Runner:  # what _room asks of an executor's sparse transport
+        copy_bytes = 3 << 20
+
+        def copy_device(self, src):
+            return torch.device("cpu")
+
+    class Ex:
+        method = "reshard"
+
+        def sparse_runner(self, copies):
+            return Runner()
+
+    free = sparse.free_bytes(torch.device("cpu"))
+    assert free is not None and free > 0  # /proc/meminfo's MemAvailable
+    monkeypatch.setattr(sparse, "free_bytes", lambda device: 4 << 20)  # 4 MiB free
+    short, roomy, forced = SparseRefits("auto"), SparseRefits("auto"), SparseRefits("on")
+    stats = SparseStats()
+    short.committed(0, {}, [Ex()], stats)
+    assert short.declined and "3.0 MiB" in short.declined and stats.declined == short.declined
+    assert short.base is None and short.view() == (None, False, True)
+    monkeypatch.setattr(sparse, "AUTO_MEMORY_FRACTION", 1.0)  # 3 of 4 MiB now fits
+    roomy.copies.regions[("w",)] = object()  # as if its copy were made
+    roomy.base = 0
+    assert roomy._room({}, [Ex()]) and roomy.view() == (0, True, False)
+    assert forced._room({}, [Ex()]) and forced.keeps_copy
+    views = [short.view(), roomy.view(), (0, False, False)]  # two trainer ranks, an engine
+    assert SparseRefits.decide(views) is None  # dense: one trainer rank declined
+    roomy.heard(views)
+    assert roomy.declined and "rank 0" in roomy.declined and not roomy.copies.regions
+    assert not roomy.view()[1] and not roomy.keeps_copy

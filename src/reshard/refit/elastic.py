@@ -67,7 +67,7 @@ from reshard.planner import Plan
 from reshard.refit.receiver import Prepare, Staged, check_targets_or_prepare
 from reshard.refit.rendezvous import Meeting, meeting_digest_key
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors, print_progress
-from reshard.refit.sparse import SPARSE_MODES
+from reshard.refit.sparse import DEFAULT_SPARSE, SPARSE_MODES
 
 __all__ = ["Announcement", "ElasticReceiver", "ElasticSender"]
 
@@ -267,7 +267,7 @@ class ElasticSender(_Participant):
                  rejoin_timeout: timedelta | None = None, checksum: bool | str | None = None,
                  progress: bool | Callable[[int, int], None] = False,
                  token: str | bytes | None = None, listen: str | None = None,
-                 fanout: str = "auto", sparse: str = "off") -> None:
+                 fanout: str = "auto", sparse: str = DEFAULT_SPARSE) -> None:
         """``timeout`` bounds store operations and group formation; ``refit_timeout``
         each refit (see :class:`reshard.refit.RefitSender`); ``rejoin_timeout`` how long
         the coordinator waits, after a failed refit, for replicas to report alive

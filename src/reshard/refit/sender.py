@@ -12,7 +12,7 @@ from reshard.gate import resolve_key
 from reshard.layout import Layout
 from reshard.refit.rendezvous import meet
 from reshard.refit.side import RefitStats, Side, layouts_of, local_tensors
-from reshard.refit.sparse import SPARSE_MODES
+from reshard.refit.sparse import DEFAULT_SPARSE, SPARSE_MODES
 
 __all__ = ["RefitSender"]
 
@@ -30,7 +30,7 @@ class RefitSender(Side):
                  refit_timeout: timedelta | None = None,
                  connect_timeout: timedelta | None = None,
                  checksum: bool | str | None = None, token: str | bytes | None = None,
-                 listen: str | None = None, sparse: str = "off") -> None:
+                 listen: str | None = None, sparse: str = DEFAULT_SPARSE) -> None:
         """``timeout`` bounds the meeting and each wait; ``connect_timeout`` (if given)
         bounds the meeting instead; ``refit_timeout`` bounds each whole refit (every wait
         ends by one deadline); ``checksum`` (``True``/``"sum"``, ``"crc32"`` or
@@ -38,9 +38,10 @@ class RefitSender(Side):
         on both sides alike. ``token`` (else ``$RESHARD_TOKEN``): only ranks holding the
         same one meet; ``listen``: where rank 0's store listens (default ``host``); see
         ``docs/security.md``. ``sparse``: after the first refit, send only the values
-        that changed in the engine's dtype (``"on"``; ``"auto"``: dense for a while after
-        a refit where sparse did not pay; ``"off"``), keeping one engine-dtype copy of
-        what this rank sends; see ``docs/sparse.md``."""
+        that changed in the engine's dtype, keeping one engine-dtype copy of what this
+        rank sends (``"auto"``, the default: dense for a while after a refit where sparse
+        did not pay, and no copy where it would take more than half the memory free;
+        ``"on"``; ``"off"``: every refit dense, no copy); see ``docs/sparse.md``."""
         if sparse not in SPARSE_MODES:
             raise ConfigError(f"sparse must be one of {SPARSE_MODES}, got {sparse!r}")
         self.params = params

@@ -233,7 +233,9 @@ class Side:
                                       "was moved")
         proposals = [v for _, _, v, *_ in views if v is not None]
         new, current = max(proposals), max(c for _, _, _, c, _ in views)
-        self._sparse_bases = SparseRefits.decide([s for *_, s in views])
+        sparse_views = [s for *_, s in views]
+        self._sparse_bases = SparseRefits.decide(sparse_views)
+        self.sparse_refits.heard(sparse_views)
         if min(proposals) < 0:
             raise ConfigError(f"a refit version is the trainer's step, >= 0; got "
                               f"{min(proposals)}; nothing was moved")

@@ -27,13 +27,20 @@ count, the payload's length and, with a checksum option, its digest), then the p
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import torch
+
+from reshard.defaults import DEFAULT_SPARSE
 from reshard.errors import ConfigError
 from reshard.executor import Copies, SparseStats
 
-__all__ = ["SPARSE_MODES", "SparseRefits", "SparseStats", "sparse_summary"]
+__all__ = ["DEFAULT_SPARSE", "SPARSE_MODES", "SparseRefits", "SparseStats", "free_bytes",
+           "sparse_summary"]
+
+log = logging.getLogger("reshard.sparse")
 
 SPARSE_MODES = ("auto", "on", "off")
 SPARSE_METHODS = ("reshard", "p2p")  # the executors whose tensors a sparse refit carries
@@ -54,6 +61,29 @@ AUTO_BACKOFF_MAX = 32
 AUTO_SLOWER = 1.0
 """A sparse refit is slower than dense when it took this rank more than this times its
 last dense refit's time."""
+AUTO_MEMORY_FRACTION = 0.5
+"""``sparse="auto"`` keeps its engine-dtype copy on a trainer rank only where the copy
+takes at most this fraction of the memory free on the device it lives on (what
+:func:`free_bytes` finds there when the copy would first be made); else that rank stays
+dense for the meeting, and says why (``SparseStats.declined``, a warning)."""
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new tensor could take on ``device``: on a GPU what the driver has free
+    plus what torch's allocator holds unused; on the host what the kernel reports
+    available (``MemAvailable``); None where neither can be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
 
 
 class SparseRefits:
@@ -78,13 +108,15 @@ class SparseRefits:
         self._encoded_sparse = False  # this refit sent some peer sparse regions
         self._dense_seconds: float | None = None  # the last dense refit's time (auto)
         self.last_ratio: float | None = None
+        self.declined: str | None = None  # auto: why this rank keeps no copy (memory)
 
-    def view(self) -> tuple[int | None, bool]:
-        """What this rank says in the refit's first collective: its base, and (a
-        trainer rank) whether it asks for a sparse refit (auto, waiting: not until the
-        last refit of its wait, which rebuilds its copy through the sparse transport)."""
-        return self.base, (not self.force_dense and self.mode in ("on", "auto")
-                           and not self._waiting)
+    def view(self) -> tuple[int | None, bool, bool]:
+        """What this rank says in the refit's first collective: its base, (a trainer
+        rank) whether it asks for a sparse refit (auto, waiting: not until the last
+        refit of its wait, which rebuilds its copy through the sparse transport), and
+        whether it declined to keep a copy (auto, short of memory)."""
+        return (self.base, not self.force_dense and self.keeps_copy and not self._waiting,
+                self.declined is not None)
 
     @property
     def _waiting(self) -> bool:
@@ -93,13 +125,27 @@ class SparseRefits:
         return self.mode == "auto" and self._skip > 1
 
     @staticmethod
-    def decide(views: list[tuple[int | None, bool] | None]) -> dict[int, int | None] | None:
+    def decide(views: list[tuple[int | None, bool, bool] | None]
+               ) -> dict[int, int | None] | None:
         """Every rank's base if this refit goes sparse, else None (alike on every rank):
-        sparse when a trainer rank that asks for it shares its base with a receiver."""
+        sparse when a trainer rank that asks for it shares its base with a receiver,
+        and no trainer rank declined to keep a copy (a sparse refit would make one)."""
+        if any(v is not None and v[2] for v in views):
+            return None
         asked = {v[0] for v in views if v is not None and v[1] and v[0] is not None}
         if not any(v is not None and not v[1] and v[0] in asked for v in views):
             return None
         return {r: v[0] for r, v in enumerate(views) if v is not None}
+
+    def heard(self, views: list[tuple[int | None, bool, bool] | None]) -> None:
+        """The refit's first collective: where another trainer rank declined to keep a
+        copy (auto, short of memory), this one lets its own go too, since no refit of
+        this meeting goes sparse."""
+        short = [r for r, v in enumerate(views) if v is not None and v[2]]
+        if short and self.mode == "auto" and self.declined is None:
+            self.declined = (f"sparse='auto' keeps no copy: rank {short[0]} had no room "
+                             "for its own, so every rank sends dense")
+            self.copies.regions.clear()
 
     def new_group(self) -> None:
         """The same ranks (and new ones) meet in a new group with new plans (an elastic
@@ -127,7 +173,30 @@ class SparseRefits:
 
     @property
     def keeps_copy(self) -> bool:
-        return self.mode in ("on", "auto")
+        return self.mode == "on" or (self.mode == "auto" and self.declined is None)
+
+    def _room(self, src, executors) -> bool:
+        """Auto, before its copy is first made: whether it fits (:data:`AUTO_MEMORY_FRACTION`
+        of the memory free where it would live); if not, this rank keeps none."""
+        if self.mode != "auto" or self.copies.regions:
+            return True
+        need, device = 0, None
+        for ex in executors:
+            if ex.method in SPARSE_METHODS:
+                tr = self.transport(ex)
+                need += tr.copy_bytes
+                device = device or tr.copy_device(src)
+        if not need or device is None:
+            return True
+        free = free_bytes(device)
+        if free is None or need <= AUTO_MEMORY_FRACTION * free:
+            return True
+        self.declined = (f"sparse='auto' keeps no copy on this rank: it would take "
+                         f"{need / 2**20:.1f} MiB on {device}, more than "
+                         f"{AUTO_MEMORY_FRACTION:.0%} of the {free / 2**20:.1f} MiB free "
+                         "there; its refits stay dense (sparse='on' keeps it anyway)")
+        log.warning("%s", self.declined)
+        return False
 
     def committed(self, version: int, src, executors, stats: SparseStats | None,
                   seconds: float = 0.0) -> None:
@@ -136,7 +205,9 @@ class SparseRefits:
         if self.mode is None:  # a receiver: its staging holds the version whole
             self.base = version
             return
-        if not self.keeps_copy:
+        if not self.keeps_copy or not self._room(src, executors):
+            if stats is not None:
+                stats.declined = self.declined
             return
         t0 = time.perf_counter()
         if self._ran or not self._waiting:

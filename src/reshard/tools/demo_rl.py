@@ -46,11 +46,13 @@ from reshard.tools.rl_task import (
     SYSTEM_PROMPT,
     TP,
     TRAINERS,
+    expected_bytes,
     greedy,
     quiet_env,
     sample_text,
     save_step,
     shutdown,
+    sparse_note,
     train_step,
     verbose_requested,
     vllm_cpu_env,
@@ -81,8 +83,14 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
         stats = sender.refit(step)
         results.put({"rank": rank, "step": step, "loss": loss,
                      "reward": mean_reward, "sent": stats.bytes_sent,
-                     "seconds": stats.seconds})
+                     "seconds": stats.seconds, "changed": _changed(stats)})
     sender.comm.close()
+
+
+def _changed(stats: Any) -> float | None:
+    """A sparse refit's changed fraction on this rank (the default ``sparse="auto"``
+    goes sparse after the first refit where that pays), else None."""
+    return stats.sparse.changed_fraction if stats.sparse and stats.sparse.used else None
 
 
 def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str, steps: int,
@@ -124,7 +132,7 @@ def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str,
         M.save_rank_record(model, rank, out_dir, step)  # the reference the demo checks
         stats = sender.refit(step)
         results.put({"rank": rank, "step": step, "loss": loss, "sent": stats.bytes_sent,
-                     "seconds": stats.seconds})
+                     "seconds": stats.seconds, "changed": _changed(stats)})
     sender.comm.close()
 
 
@@ -300,12 +308,13 @@ def _run(work: Path, args: argparse.Namespace, LLM: Any) -> int:  # noqa: N803
         verify = collective(llm, "reshard_verify", str(out_dir / f"step{step}.pt"))
         exact = all(not v["mismatched"] and not v["live_mismatched"] for v in verify)
         versions = collective(llm, "reshard_version")
-        bytes_ok = all(r["bytes_received"] == r["expected_bytes"] for r in res)
+        bytes_ok = all(r["bytes_received"] == expected_bytes(r) for r in res)
         ok = same and exact and bytes_ok and versions == [step] * TP
         failures += not ok
         # the trainer's refit time is the transfer (vLLM started waiting before training)
         print(f"step {step}: reward {sum(_reward(c, vocab) for _, c in batch) / len(batch):.3f} "
-              f"loss {sum(t['loss'] for t in trained):+.4f} | refit v{versions[0]}: transfer "
+              f"loss {sum(t['loss'] for t in trained):+.4f} | {sparse_note(trained)}"
+              f"refit v{versions[0]}: transfer "
               f"{max(t['seconds'] for t in trained):.3f} s + vLLM commit "
               f"{max(r['commit_seconds'] for r in res):.3f} s | trainer sent "
               f"{sum(t['sent'] for t in trained)} B, vLLM ranks received "

@@ -31,7 +31,9 @@ from reshard.tools.rl_task import (
     SYSTEM_PROMPT,
     TP,
     TRAINERS,
+    expected_bytes,
     sample_text,
+    sparse_note,
     train_step,
 )
 from reshard.tools.rl_task import reward as _reward
@@ -62,8 +64,9 @@ def _trainer(rank: int, world: int, model_dir: str, url: str, port: int, out_dir
         batch = rollouts[rank].get(timeout=300)  # [(prompt, completion)], this rank's half
         loss, mean_reward = train_step(model, opt, batch, rank, out_dir, step)
         figures = engine.send_weights(step)
+        sparse = figures.get("sparse")  # the default sparse="auto": after the first
         results.put({"rank": rank, "step": step, "loss": loss, "reward": mean_reward,
-                     **figures})
+                     "changed": sparse["changed_fraction"] if sparse else None, **figures})
     engine.shutdown()
 
 
@@ -177,13 +180,14 @@ def _check(server: Any, ref: Any, out_dir: Path, step: int, batch: list, trained
     verify = server.rpc("reshard_verify", str(out_dir / f"step{step}.pt"))
     exact = all(not v["mismatched"] and not v["live_mismatched"] for v in verify)
     last = server.rpc("reshard_last")
-    bytes_ok = all(r["bytes_received"] == r["expected_bytes"] for r in last)
+    bytes_ok = all(r["bytes_received"] == expected_bytes(r) for r in last)
     one_swap = len({r["swap_forward"] for r in last}) == 1
     version = server.weight_version()
     ok = same and exact and bytes_ok and one_swap and version == str(step)
     during = meanwhile.tokens_between(rank0["started"], rank0["ended"])
     print(f"step {step}: reward {sum(_reward(c, vocab) for _, c in batch) / len(batch):.3f} "
-          f"loss {sum(t['loss'] for t in trained):+.4f} | overlapped refit v{version}: "
+          f"loss {sum(t['loss'] for t in trained):+.4f} | {sparse_note(trained)}"
+          f"overlapped refit v{version}: "
           f"transfer {max(t['transfer_seconds'] for t in trained):.3f} s while serving "
           f"({sum(r['forwards_during_receive'] for r in last) // TP} forward passes, "
           f"{during} tokens streamed around it), engine paused {rank0['pause_seconds']:.3f} s"

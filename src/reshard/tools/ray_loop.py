@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from reshard.defaults import DEFAULT_SPARSE
 from reshard.gate import TOKEN_ENV, new_token
 from reshard.integrations.ray import (
     StoreAddress,
@@ -47,6 +48,7 @@ from reshard.tools.rl_task import (
     PROMPTS,
     TP,
     TRAINERS,
+    expected_bytes,
     greedy,
     reinforce_step,
     rollouts,
@@ -70,7 +72,7 @@ class TrainerRank:
     updated in place with the rebuilt model's DTensors (same names and layouts)."""
 
     def __init__(self, rank: int, world_size: int, model_dir: str, out_dir: str, *,
-                 lr: float = 0.02, single_node: bool = True, sparse: str = "off") -> None:
+                 lr: float = 0.02, single_node: bool = True, sparse: str = DEFAULT_SPARSE) -> None:
         import torch
 
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -230,13 +232,6 @@ class EngineActor:
         shutdown(self.llm)  # its processes exit on their own (rl_task.shutdown)
 
 
-def _expected_bytes(engine_rank: dict[str, Any]) -> int:
-    """What an engine rank receives: its shard's bytes in a dense refit; in a sparse one
-    the encoded messages its sparse stats count (``sparse.wire_bytes``)."""
-    sparse = engine_rank.get("sparse")
-    return engine_rank["expected_bytes"] if sparse is None else sparse["wire_bytes"]
-
-
 @dataclass
 class Record:
     """One step as the driver saw it."""
@@ -259,7 +254,7 @@ class Record:
         return {"generation": c["tokens"] == self.hf_tokens,
                 "weights": all(not v["mismatched"] and not v["live_mismatched"]
                                and v["checked"] > 0 for v in c["verify"]),
-                "bytes": all(r["bytes_received"] == _expected_bytes(r) for r in self.engine),
+                "bytes": all(r["bytes_received"] == expected_bytes(r) for r in self.engine),
                 "version": c["versions"] == [self.step] * len(self.engine)}
 
     @property
@@ -294,7 +289,7 @@ class Loop:
     (``"off"``, ``"on"``, ``"auto"``; docs/sparse.md)."""
 
     def __init__(self, engine: Any, model_dir: str | Path, out_dir: str | Path, *,
-                 trainers: int = TRAINERS, lr: float = 0.02, sparse: str = "off") -> None:
+                 trainers: int = TRAINERS, lr: float = 0.02, sparse: str = DEFAULT_SPARSE) -> None:
         import ray
 
         self.ray, self.engine = ray, engine

@@ -189,6 +189,24 @@ def shutdown(llm: Any) -> list[str]:
     return killed
 
 
+def expected_bytes(engine_rank: dict[str, Any]) -> int:
+    """What an engine rank's refit report (a refit's result, ``reshard_last``) must say
+    it received: its shard's bytes in a dense refit; in a sparse one (``sparse="auto"``,
+    the default, after the first) the encoded messages its sparse stats count, whose
+    regions must cover exactly its shard (else -1, which no count equals)."""
+    sparse = engine_rank.get("sparse")
+    if sparse is None:
+        return engine_rank["expected_bytes"]
+    return sparse["wire_bytes"] if sparse["dense_bytes"] == engine_rank["expected_bytes"] else -1
+
+
+def sparse_note(trainer_ranks: list[dict[str, Any]]) -> str:
+    """``"sparse, 2.1% changed | "`` when the trainer ranks' refit went sparse, else ``""``
+    (each rank's result carries ``changed``: its sparse changed fraction, or None)."""
+    changed = [t["changed"] for t in trainer_ranks if t.get("changed") is not None]
+    return f"sparse, {max(changed):.1%} changed | " if changed else ""
+
+
 def sample_text(tokenizer: Any, rollout: Rollout) -> str:
     """One rollout as text: its task (the prompt after :data:`SYSTEM_PROMPT`) and its
     completion, each decoded with ``tokenizer``."""

@@ -32,6 +32,7 @@ import torch
 from reshard.defaults import DEFAULT_REFIT_BUDGET_BYTES
 from reshard.errors import MappingError, ReshardError
 from reshard.integrations.sglang.mapping import hf_to_sglang
+from reshard.refit.sparse import sparse_summary
 
 __all__ = ["SglangRank", "handle"]
 
@@ -109,7 +110,10 @@ class SglangRank:
                      "bytes_received": stats.bytes_received,
                      "expected_bytes": self.expected_bytes, "receive_seconds": t1 - t0,
                      "commit_seconds": time.perf_counter() - t1,
-                     "seconds": time.perf_counter() - t0}
+                     "seconds": time.perf_counter() - t0,
+                     # a sparse refit (the trainer's sparse="auto", the default, after the
+                     # first): what changed, the wire bytes against the dense ones
+                     "sparse": sparse_summary(stats.sparse)}
         return self.last
 
     def reconnect(self, host: str, port: int, timeout_s: float = 120.0) -> dict[str, Any]:

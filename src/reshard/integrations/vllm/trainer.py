@@ -71,6 +71,7 @@ from vllm.distributed.weight_transfer.base import (
 from reshard.defaults import (
     DEFAULT_COMMIT_HEAP_SLACK_BYTES,
     DEFAULT_REFIT_BUDGET_BYTES,
+    DEFAULT_SPARSE,
     NO_VERSION,
 )
 from reshard.errors import ConfigError, ReshardError, TransferError
@@ -107,7 +108,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
     #: after the first refit, send only the changed engine-dtype values ("on", "auto",
     #: "off"; docs/sparse.md); the engine's init info says which
-    sparse: str = "off"
+    sparse: str = DEFAULT_SPARSE
 
     def worker_init_info(self) -> dict[str, Any]:
         """What the engine's ranks are given (``init_weight_transfer_engine``; over HTTP

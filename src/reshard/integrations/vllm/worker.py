@@ -24,6 +24,7 @@ import torch
 from reshard.defaults import (
     DEFAULT_COMMIT_HEAP_SLACK_BYTES,
     DEFAULT_REFIT_BUDGET_BYTES,
+    DEFAULT_SPARSE,
     NO_VERSION,
 )
 from reshard.errors import ConfigError, ReshardError
@@ -308,7 +309,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     heap_slack_bytes: int | None = DEFAULT_COMMIT_HEAP_SLACK_BYTES
     #: the trainer's sparse mode (docs/sparse.md): the engine needs nothing for it (its
     #: staging holds the last version whole) and reports it in ``reshard_info``
-    sparse: str = "off"
+    sparse: str = DEFAULT_SPARSE
     #: join the trainer's fleet at master_address:master_port (its ``ElasticSender``
     #: ranks) as the replica of this id, unique per incarnation (docs/fleets.md) ...
     replica: str | None = None
