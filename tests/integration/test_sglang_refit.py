@@ -206,6 +206,9 @@ def test_fsdp2_trainer_refits_sglang_tp2_and_a_lost_rank_keeps_the_version(tmp_p
                   "megatron": megatron["checkpoint"]}, tmp_path, 2)
     for step in (1, 2):
         check_refit(live["records"][step], refs[step], step, cfg, 2)
+    # the trainer's default sparse="auto": step 1 dense, step 2 sparse, both exact
+    assert [bool(o["sparse"]) for s in (1, 2) for o in live["records"][s]["result"]] == [
+        False, False, True, True]
     assert live["codes"] == [0, -9]  # rank 1 SIGKILLed itself in refit 3
     lost = live["records"][3]  # version 2, whole, on every rank; its cache kept
     assert "refit failed on SGLang rank(s) [0, 1]" in lost["result"]["error"]
@@ -228,3 +231,5 @@ def test_fsdp2_trainer_refits_sglang_tp1_tied_qwen3(tmp_path):
     refs = fresh({s: live["out"] / f"step{s}" for s in (1, 2)}, tmp_path, 1)
     for step in (1, 2):
         check_refit(live["records"][step], refs[step], step, cfg, 1)
+    assert [bool(o["sparse"]) for s in (1, 2) for o in live["records"][s]["result"]] == [
+        False, True]  # the trainer's default sparse="auto": the second refit sparse
