@@ -186,12 +186,7 @@ class SparseRunner:
     def copy_device(self, src) -> torch.device | None:
         """Where that copy lives: the device of what this rank sends from (None: it
         sends nothing)."""
-        for name in self.views.src_names if self.sends else ():
-            try:
-                return src[name].device
-            except Exception:  # noqa: BLE001 - unreadable now: ask another
-                continue
-        return None
+        return _device_of(src, self.views.src_names) if self.sends else None
 
     def _key(self, h: Hop) -> tuple:
         """A region as its source and place say, whichever replica's tensor it lands in."""
@@ -541,14 +536,8 @@ class SparseRunner:
         return out
 
     def _device(self) -> torch.device:
-        for names, tensors in ((self.views.src_names, self.views.src),
-                               (self.views.dst_names, self.views.dst)):
-            for name in names:
-                try:
-                    return tensors[name].device
-                except Exception:  # noqa: BLE001 - a source that cannot be read now: its
-                    continue  # region's encoding reports it, the refit fails cleanly
-        return torch.device("cpu")
+        return (_device_of(self.views.src, self.views.src_names)
+                or _device_of(self.views.dst, self.views.dst_names) or torch.device("cpu"))
 
     def _wait(self, work: Any) -> None:
         wait_for(work, self.deadline, self.comm.backend)
@@ -564,6 +553,18 @@ class _InStream:
     origin: int
     head: int
     delay: int
+
+
+def _device_of(tensors, names: list[str]) -> torch.device | None:
+    """The device of the first of ``names`` that can be read in ``tensors`` (a caller's
+    mapping may fail on one: its region's encoding reports that, and the refit fails
+    cleanly, the group whole)."""
+    for name in names:
+        try:
+            return tensors[name].device
+        except Exception:  # noqa: BLE001 - unreadable now: ask the next
+            continue
+    return None
 
 
 def _pair_units(rounds) -> dict[tuple[int, int], list[list[Hop]]]:

@@ -70,6 +70,7 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
 
     from reshard.integrations import hf
     from reshard.refit.sender import RefitSender
+    from reshard.refit.sparse import sparse_summary
 
     torch.manual_seed(0)
     model = hf.shard_fsdp2(hf.load_model(model_dir, torch.float32))
@@ -83,14 +84,8 @@ def _trainer(rank: int, world: int, model_dir: str, port: int, out_dir: str, ste
         stats = sender.refit(step)
         results.put({"rank": rank, "step": step, "loss": loss,
                      "reward": mean_reward, "sent": stats.bytes_sent,
-                     "seconds": stats.seconds, "changed": _changed(stats)})
+                     "seconds": stats.seconds, "sparse": sparse_summary(stats.sparse)})
     sender.comm.close()
-
-
-def _changed(stats: Any) -> float | None:
-    """A sparse refit's changed fraction on this rank (the default ``sparse="auto"``
-    goes sparse after the first refit where that pays), else None."""
-    return stats.sparse.changed_fraction if stats.sparse and stats.sparse.used else None
 
 
 def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str, steps: int,
@@ -115,6 +110,7 @@ def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str,
 
     from reshard.integrations import megatron
     from reshard.refit.sender import RefitSender
+    from reshard.refit.sparse import sparse_summary
 
     model = M.build_gpt("qwen3", 2, tp=spec.tp, pp=spec.pp)
     vocab = M.TINY["vocab"]
@@ -132,7 +128,7 @@ def _megatron_trainer(rank: int, world: int, spec: Any, port: int, out_dir: str,
         M.save_rank_record(model, rank, out_dir, step)  # the reference the demo checks
         stats = sender.refit(step)
         results.put({"rank": rank, "step": step, "loss": loss, "sent": stats.bytes_sent,
-                     "seconds": stats.seconds, "changed": _changed(stats)})
+                     "seconds": stats.seconds, "sparse": sparse_summary(stats.sparse)})
     sender.comm.close()
 
 

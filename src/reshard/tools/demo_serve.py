@@ -64,9 +64,8 @@ def _trainer(rank: int, world: int, model_dir: str, url: str, port: int, out_dir
         batch = rollouts[rank].get(timeout=300)  # [(prompt, completion)], this rank's half
         loss, mean_reward = train_step(model, opt, batch, rank, out_dir, step)
         figures = engine.send_weights(step)
-        sparse = figures.get("sparse")  # the default sparse="auto": after the first
         results.put({"rank": rank, "step": step, "loss": loss, "reward": mean_reward,
-                     "changed": sparse["changed_fraction"] if sparse else None, **figures})
+                     **figures})
     engine.shutdown()
 
 

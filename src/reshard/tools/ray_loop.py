@@ -54,6 +54,7 @@ from reshard.tools.rl_task import (
     rollouts,
     save_step,
     shutdown,
+    sparse_note,
     vllm_cpu_env,
 )
 
@@ -269,9 +270,7 @@ class Record:
         c = self.checks
         trained = all("reward" in t for t in self.trainer)  # not a re-sent version
         reward = f"reward {self.mean_reward:.3f} | " if trained else ""
-        changed = [t["sparse"]["changed_fraction"] for t in self.trainer if t.get("sparse")]
-        if changed:
-            reward += f"sparse, {max(changed):.1%} changed | "
+        reward += sparse_note(self.trainer)
         return (f"step {self.step}: {reward}refit v{self.step}: "
                 f"transfer {max(t['seconds'] for t in self.trainer):.3f} s + vLLM commit "
                 f"{max(r['commit_seconds'] for r in self.engine):.3f} s | vLLM ranks received "

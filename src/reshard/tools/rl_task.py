@@ -202,8 +202,8 @@ def expected_bytes(engine_rank: dict[str, Any]) -> int:
 
 def sparse_note(trainer_ranks: list[dict[str, Any]]) -> str:
     """``"sparse, 2.1% changed | "`` when the trainer ranks' refit went sparse, else ``""``
-    (each rank's result carries ``changed``: its sparse changed fraction, or None)."""
-    changed = [t["changed"] for t in trainer_ranks if t.get("changed") is not None]
+    (each rank's result carries ``sparse``: its ``sparse_summary``, None when dense)."""
+    changed = [t["sparse"]["changed_fraction"] for t in trainer_ranks if t.get("sparse")]
     return f"sparse, {max(changed):.1%} changed | " if changed else ""
 
 
