@@ -10,8 +10,10 @@ link (``relay``: the sources' links carry about one copy whatever the number of
 replicas). A relay forwards from its own received destination tensor (the shadow of a
 refit, not yet committed), chunk by chunk: chunk ``c`` leaves a relay in a round after
 the one that brought it in, so the chain runs as a pipeline and its time grows with the
-number of domains only by the pipeline's fill. The chain's order turns by one domain per
-region, so every domain forwards about as much as it receives, and none is always last.
+number of domains only by the pipeline's fill. Every region's chain visits the domains in
+the same order, so each domain link carries one stream each way (the domain before it
+in, the one after it out): streams that share a link compete for it, and over TCP that
+costs more than any balance of the loads wins (docs/fleets.md, "One order").
 
 ``auto`` chooses by the cost model below, from the topology's link bandwidths: the
 busiest domain link (bytes out or in over its rate) plus, for a chain, its fill.
@@ -110,7 +112,7 @@ def fanout_costs(plan: Plan, topology, budget_bytes: int,
     def add(mode: str, way: str, dom: int, nbytes: float) -> None:
         loads[mode][way, dom] = loads[mode].get((way, dom), 0.0) + nbytes
 
-    for i, region in enumerate(regions(plan, same_source)):
+    for region in regions(plan, same_source):
         far = _far(region, topology.domain)
         if not far:
             continue
@@ -119,11 +121,10 @@ def fanout_costs(plan: Plan, topology, budget_bytes: int,
         for d in held:
             add("direct", "out", d, n * len(far) / len(held))
             add("relay", "out", d, n / len(held))
-        chain = far[i % len(far):] + far[:i % len(far)]
-        for d in chain:
+        for d in far:
             add("direct", "in", d, n)
             add("relay", "in", d, n)
-        for d in chain[:-1]:
+        for d in far[:-1]:
             add("relay", "out", d, n)
         depth = max(depth, len(far))
     chunk = max(1, budget_bytes // 6)

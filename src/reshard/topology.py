@@ -170,8 +170,8 @@ def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int,
     mode = choose_fanout(plan, topology, budget_bytes, fanout, same_source)
     loads = _Loads()
     chains: list[list[tuple[Hop, list[Hop]]]] = []
-    for i, region in enumerate(regions(plan, same_source)):
-        chains.extend(_region_hops(region, i, topology, loads, mode == "relay"))
+    for region in regions(plan, same_source):
+        chains.extend(_region_hops(region, topology, loads, mode == "relay"))
     return Schedule(_pack_chains(chains, budget_bytes, plan, staging_bytes), "reshard",
                     budget_bytes, mode)
 
@@ -179,11 +179,12 @@ def domain_schedule(plan: Plan, topology: Topology, budget_bytes: int,
 Stage = tuple[Hop, list[Hop]]  # a hop into a domain, then its forwards inside it
 
 
-def _region_hops(region: Region, i: int, topo: Topology, loads: _Loads,
+def _region_hops(region: Region, topo: Topology, loads: _Loads,
                  relay: bool) -> list[list[Stage]]:
     """Chains of stages for one region: local copies and fast-link hops (one stage,
-    no forwards), one chain per far domain (direct) or one chain through all of them,
-    its order turned by ``i`` (relay)."""
+    no forwards), one chain per far domain (direct) or one chain through all of them in
+    domain order, the same order for every region (relay: each domain link then carries
+    one stream each way, :mod:`reshard.fanout`)."""
     t0, ui = region.members[0]
     u = t0.template.units[ui]
     holders = {t0.src.ranks[s]: off for s, off in u.holders}
@@ -202,8 +203,6 @@ def _region_hops(region: Region, i: int, topo: Topology, loads: _Loads,
         for name, r, dst_off in by_domain[dom]:  # co-located source: fast links only
             s = loads.pick(near, loads.send, u.nbytes)
             out.append([(Hop(name, s, r, holders[s], dst_off, u.size, u.nbytes), [])])
-    if relay and far:
-        far = far[i % len(far):] + far[:i % len(far)]
     chain: list[Stage] = []
     for dom in far:
         needers = by_domain[dom]

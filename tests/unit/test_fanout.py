@@ -1,8 +1,8 @@
 """Fan-out to replicas (``reshard.fanout``): relayed, the sources' domain sends about one
 copy of the model whatever the number of replica domains; every destination byte is
-written exactly once and equals its expected shard; a relay chain is a pipeline of
-chunks; ``auto`` follows the link rates; separate replica tensors of one source relay
-to each other."""
+written exactly once and equals its expected shard; every region's chain visits the
+domains in one order; a relay chain is a pipeline of chunks; ``auto`` follows the link
+rates; separate replica tensors of one source relay to each other."""
 
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ def test_relay_sends_one_copy_and_is_exact(num_replicas, tp, budget):
     assert _out_of(direct, topo, 0) == num_replicas * model
     # no replica domain forwards more than one copy
     assert all(_out_of(relay, topo, d) <= model for d in range(1, num_replicas + 1))
+    # one chain order for every region: each domain link carries one stream each way,
+    # from the domain before it and to the domain after it
+    links = {(topo.domain(h.src_rank), topo.domain(h.dst_rank)) for _, h in relay.hops()
+             if topo.domain(h.src_rank) != topo.domain(h.dst_rank)}
+    assert links == {(d, d + 1) for d in range(num_replicas)}, links
 
 
 @pytest.mark.parametrize("tp", [1, 2])
