@@ -177,6 +177,39 @@ def test_the_fused_pass_encodes_as_the_torch_cast_and_scans_do(n, frac, seed, sa
 
 
 @needs_native
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 300), frac=st.sampled_from([0, 0.01, 0.3, 1]),
+       seed=st.integers(0, 2**31 - 1), nan=st.booleans(), small_cap=st.booleans())
+def test_the_vector_pass_and_the_portable_pass_agree(rows, cols, frac, seed, nan, small_cap):
+    """float32 into bfloat16: the host's vector pass (AVX-512 where the compiler targets
+    it, else the portable pass itself) and the portable pass give the same count, values,
+    positions (up to the cap), bits and updated copy, on rows of a wider tensor (a
+    stride), from any bit pattern; a NaN: -1 from both."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-2**31, 2**31, (rows, cols + 5), generator=g, dtype=torch.int64)
+    src = raw.to(torch.int32).view(torch.float32)[:, 2:2 + cols]
+    src[torch.isnan(src)] = 1.5
+    if nan:
+        src[rows // 2, cols // 2] = float("nan")
+    n = rows * cols
+    old = src.reshape(-1).to(torch.bfloat16)
+    change = torch.rand(n, generator=g) < frac
+    old.view(torch.int16)[change] ^= 1
+    cap = 3 if small_cap else n // 16 + 8
+    out = []
+    for portable in (False, True):
+        copy, values = old.clone(), torch.zeros(n + 16, dtype=torch.bfloat16)
+        pos, bits = torch.zeros(cap, dtype=torch.int32), torch.zeros(n // 8 + 8, dtype=torch.uint8)
+        m = native.diff(src, copy, values, pos, bits, portable=portable)
+        out.append((m, copy, values[:max(m, 0)], pos[:min(max(m, 0), cap)], bits))
+    (m1, *a), (m2, *b) = out
+    assert m1 == m2 and (m1 == -1) == nan
+    if m1 >= 0:
+        assert m1 == int(change.sum())
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+@needs_native
 @pytest.mark.parametrize("shape,cut", [((9, 70), (slice(2, 8), slice(3, 68))),
                                        ((4, 5, 130), (slice(1, 3), slice(None), slice(1, 129))),
                                        ((6, 64), (slice(None), slice(0, 64))),

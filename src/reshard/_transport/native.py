@@ -92,7 +92,7 @@ def _build() -> ctypes.CDLL | None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
-    for name in ("reshard_diff_f32_bf16", *_SAME.values()):
+    for name in ("reshard_diff_f32_bf16", "reshard_diff_f32_bf16_portable", *_SAME.values()):
         fn = getattr(lib, name)
         fn.restype = _INT
         fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
@@ -164,14 +164,15 @@ def supports(src: torch.Tensor, old: torch.Tensor) -> bool:
 
 
 def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-         bits: torch.Tensor | None) -> int:
+         bits: torch.Tensor | None, *, portable: bool = False) -> int:
     """One pass: every element of ``src`` (cast to ``old``'s dtype) that differs bit for
     bit from ``old`` (both in row-major order) has its value written to ``values`` (in
     order), its flat position to ``pos`` (int32, while there is room), its bit set in
     ``bits`` (uint8, zeroed here first; element ``i`` at bit ``i % 8`` of byte ``i //
     8``) and written into ``old``. Returns how many differ, or -1 when a float32 element
     of ``src`` is a NaN (``old`` is then partly written: the caller rewrites it whole).
-    Only for pairs :func:`supports`."""
+    Only for pairs :func:`supports`. ``portable``: float32 into bfloat16 by the portable
+    C pass even where the host's vector pass (AVX-512) was built (tests compare them)."""
     n = old.numel()
     assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
     rows, cols, stride, inner, ostride = _rows(src)
@@ -179,8 +180,8 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
         bits = bits[:(n + 7) // 8]
         bits.zero_()
     lib = library()
-    fn = (lib.reshard_diff_f32_bf16 if src.dtype != old.dtype
-          else getattr(lib, _SAME[old.element_size()]))
+    fn = (getattr(lib, "reshard_diff_f32_bf16" + ("_portable" if portable else ""))
+          if src.dtype != old.dtype else getattr(lib, _SAME[old.element_size()]))
     return fn(src.data_ptr(), rows, cols, stride, inner, ostride, old.data_ptr(),
               values.data_ptr(),
               pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
