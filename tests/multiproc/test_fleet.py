@@ -5,8 +5,9 @@ Every rank in its own fast domain (``RESHARD_DOMAIN_SIZE=1``, the same on every 
 so every replica rank is reached over "the network": a 2-rank trainer refits replicas A
 and B (TP2, bf16) and C and D (TP1, fp32). The schedule relays: the trainer sends one
 copy per replica layout (bf16 + fp32), not one per replica, and the replicas forward
-the rest from their received, uncommitted shadows. C SIGKILLs itself in the middle of
-refit 2, while it relays: every survivor fails that refit with a TransferError and
+the rest from their received, uncommitted shadows (each layout's chain in the order the
+replicas asked to join: D asks after C). C SIGKILLs itself in the middle of refit 2,
+while it relays to D: every survivor fails that refit with a TransferError and
 keeps version 1 bit for bit; at refit 3 the elastic coordinator drops C; refits 3 and 4
 reach A, B and D bit for bit (D, alone of its layout, now fed directly, and with it the
 busiest link, so the cost model feeds A and B directly too). D takes every version
@@ -20,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,9 +55,15 @@ def test_relayed_fleet_loses_a_relay(tmp_path, sparse):
     procs = [start("trainer", "--requests", "4,4,4,4", "--rejoin", "3", "--sparse", sparse),
              start("replica", "--id", "A", "--tp", "2", "--last", "4"),
              start("replica", "--id", "B", "--tp", "2", "--last", "4"),
-             start("replica", "--id", "C", "--tp", "1", "--rank", "0", "--die-at", "2"),
-             start("replica", "--id", "D", "--tp", "1", "--last", "4", "--deferred")]
+             start("replica", "--id", "C", "--tp", "1", "--rank", "0", "--die-at", "2")]
     try:
+        # D asks to join after C (C's log appears once its request is in): the group
+        # orders the replicas as they asked, and the fp32 chain runs C, then D, so the
+        # replica killed mid-refit is the one relaying
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "C-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs.append(start("replica", "--id", "D", "--tp", "1", "--last", "4", "--deferred"))
         for i, p in enumerate(procs):
             out, _ = p.communicate(timeout=180)
             assert p.returncode == (-9 if i == 3 else 0), out[-3000:]
