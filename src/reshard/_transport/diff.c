@@ -116,37 +116,39 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VBMI2__)
-/* The float32 -> bfloat16 pass with AVX-512 (BW, VL, VBMI2), 16 elements a step: the
- * cast (the same bits as to_bf16), the compare into a 16-bit mask, and for a step with a
- * change its values and positions compressed into place and the copy written under the
- * mask; the rest of a row (fewer than 16) as above. Same results as the portable pass. */
+/* The float32 -> bfloat16 pass with AVX-512 (BW, VL, VBMI2), 16 elements a step (the
+ * last of a row under a mask): the cast (the same bits as to_bf16), the compare into a
+ * 16-bit mask, and for a step with a change its values and positions compressed into
+ * place and the copy written under the mask. Same results as the portable pass. */
 #include <immintrin.h>
 
-static int64_t diff_f32_bf16_tail(const uint32_t *row, uint16_t *was, int64_t c0,
-                                  int64_t cols, int64_t at0, uint16_t *values,
-                                  int32_t *pos, int64_t cap, uint8_t *bits, int64_t m) {
-    for (int64_t c = c0; c < cols; c++) {
-        if (F32_NAN(row[c])) return -1;
-        uint16_t b = to_bf16(row[c]);
-        if (b == was[c]) continue;
-        if (bits) bits[(at0 + c) / 8] |= (uint8_t)(1u << ((at0 + c) % 8));
-        if (m < cap) pos[m] = (int32_t)(at0 + c);
-        values[m++] = b;
-        was[c] = b;
-    }
-    return m;
+/* k's elements of a step cast into *b; the mask of those that differ from the copy, or
+ * of those that are NaNs into *nan */
+static inline __mmask16 step16(const uint32_t *row, const uint16_t *was, __mmask16 k,
+                               __m256i *b, __mmask16 *nan) {
+    __m512i u = _mm512_maskz_loadu_epi32(k, row);
+    *nan |= _mm512_mask_cmpgt_epu32_mask(k, _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                         _mm512_set1_epi32(0x7F800000));
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    *b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm256_mask_cmpneq_epi16_mask(k, *b, _mm256_maskz_loadu_epi16(k, was));
 }
 
+/* a step's changes (ne, at flat position at): values and positions compressed into
+ * place, the copy written under the mask, the bits OR-ed in; returns the new count */
 static inline int64_t collect16(__m256i b, __mmask16 ne, int64_t at, uint16_t *was,
-                                uint16_t *values, int32_t *pos, int64_t cap, uint8_t *bits,
-                                int64_t m, __m512i iota) {
-    /* a step's changes: values and positions compressed into place (values has room for
-     * n: m + 16 <= at + 16 <= n), the copy written under the mask, the bits OR-ed in */
-    _mm256_storeu_si256((__m256i *)(values + m), _mm256_maskz_compress_epi16(ne, b));
+                                uint16_t *values, int64_t n, int32_t *pos, int64_t cap,
+                                uint8_t *bits, int64_t m) {
+    if (m + 16 <= n) /* a whole store: m changes before at, so this holds but at a tail */
+        _mm256_storeu_si256((__m256i *)(values + m), _mm256_maskz_compress_epi16(ne, b));
+    else
+        _mm256_mask_compressstoreu_epi16(values + m, ne, b);
     _mm256_mask_storeu_epi16(was, ne, b);
     if (bits) or_bits(bits, at, (uint64_t)ne, 16);
     if (m + 16 <= cap) {
-        __m512i p = _mm512_add_epi32(_mm512_set1_epi32((int32_t)at), iota);
+        __m512i p = _mm512_add_epi32(_mm512_set1_epi32((int32_t)at),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         _mm512_storeu_si512((void *)(pos + m), _mm512_maskz_compress_epi32(ne, p));
     } else {
         uint32_t w = ne;
@@ -160,10 +162,7 @@ int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_
                               int64_t stride, int64_t inner, int64_t ostride,
                               uint16_t *restrict old, uint16_t *restrict values,
                               int32_t *restrict pos, int64_t cap, uint8_t *restrict bits) {
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int64_t m = 0;
+    int64_t m = 0, n = rows * cols;
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t *row = src + (r / inner) * ostride + (r % inner) * stride;
         uint16_t *was = old + r * cols;
@@ -171,35 +170,19 @@ int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_
         for (; c + 64 <= cols; c += 64) { /* four steps checked at once */
             __m256i b[4];
             __mmask16 ne[4], nan = 0, any = 0;
-            for (int q = 0; q < 4; q++) {
-                __m512i u = _mm512_loadu_si512((const void *)(row + c + 16 * q));
-                nan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-                __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(half, lsb));
-                b[q] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-                __m256i o = _mm256_loadu_si256((const __m256i *)(was + c + 16 * q));
-                ne[q] = _mm256_cmpneq_epi16_mask(b[q], o);
-                any |= ne[q];
-            }
-            if (nan) return -1;
-            if (!any) continue;
             for (int q = 0; q < 4; q++)
+                any |= ne[q] = step16(row + c + 16 * q, was + c + 16 * q, 0xFFFF, &b[q], &nan);
+            if (nan) return -1;
+            for (int q = 0; any && q < 4; q++)
                 if (ne[q]) m = collect16(b[q], ne[q], at0 + c + 16 * q, was + c + 16 * q,
-                                         values, pos, cap, bits, m, iota);
+                                         values, n, pos, cap, bits, m);
         }
-        for (; c + 16 <= cols; c += 16) {
-            __m512i u = _mm512_loadu_si512((const void *)(row + c));
-            if (_mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf)) return -1;
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-            __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(half, lsb));
-            __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-            __m256i o = _mm256_loadu_si256((const __m256i *)(was + c));
-            __mmask16 ne = _mm256_cmpneq_epi16_mask(b, o);
-            if (ne) m = collect16(b, ne, at0 + c, was + c, values, pos, cap, bits, m, iota);
-        }
-        if (c < cols) {
-            m = diff_f32_bf16_tail(row, was, c, cols, at0, values, pos, cap, bits, m);
-            if (m < 0) return -1;
+        for (; c < cols; c += 16) { /* the rest, the last step under a mask */
+            __m256i b;
+            __mmask16 nan = 0, k = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
+            __mmask16 ne = step16(row + c, was + c, k, &b, &nan);
+            if (nan) return -1;
+            if (ne) m = collect16(b, ne, at0 + c, was + c, values, n, pos, cap, bits, m);
         }
     }
     return m;
