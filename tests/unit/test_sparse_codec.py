@@ -207,6 +207,9 @@ def test_the_vector_pass_and_the_portable_pass_agree(rows, cols, frac, seed, nan
     if m1 >= 0:
         assert m1 == int(change.sum())
         assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+        want = codec.pack_bits(change) if m1 > cap else torch.zeros(n // 8 + 8,
+                                                                     dtype=torch.uint8)
+        assert torch.equal(a[3][:want.numel()], want)  # bits only past the cap, all of them
 
 
 @needs_native

@@ -7,8 +7,11 @@
  * flat): each source element (cast to bfloat16 first,
  * for the float32 variant) is compared bit for bit with the copy; every changed element's
  * new value is written to `values` (in row-major order), its flat position to `pos`
- * (while fewer than `cap` were found), its bit into `bits` (OR-ed in: the caller zeroes
- * it; element i at bit i % 8 of byte i / 8; may be NULL), and into `old`. Returns how
+ * (while fewer than `cap` were found) and into `old`; once more than `cap` changed (then
+ * the positions are not all kept, and a bitmap is the cheaper encoding), `bits` (may be
+ * NULL; element i at bit i % 8 of byte i / 8) is zeroed and takes every change's bit,
+ * those found so far from their positions; with `cap` or fewer it is left as it was, not
+ * read. Returns how
  * many changed, or -1 when a float32 element is a NaN (then `old` is partly written: the
  * caller casts the region again with torch, whose own NaN differs between its vector and
  * scalar loops, and sends it whole).
@@ -21,7 +24,7 @@
  * against 0.091 s when every block was stored and scanned; 0.106 s against 0.112 s at 1%
  * changed, where about half the blocks hold a change). Where the compiler targets
  * AVX-512 (BW, VL, VBMI2), float32 into bfloat16 takes the vector pass below instead:
- * 0.092 s at 1% changed, 0.114 s at 5% (0.133 s portable).
+ * 0.086 s at 1% changed, 0.119 s at 5% (0.106 and 0.133 s portable).
  */
 #include <stdint.h>
 #include <string.h>
@@ -54,6 +57,18 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
     }
 }
 
+/* whether a block's `pc` changes, after `m`, set bits: from the change that passes `cap`
+ * on (then `bits`, zeroed, first takes the `m` positions kept so far) */
+static inline int use_bits(uint8_t *bits, int *on, int64_t n, const int32_t *pos, int64_t m,
+                           int pc, int64_t cap) {
+    if (*on || !bits || m + pc <= cap)
+        return *on;
+    memset(bits, 0, (size_t)((n + 7) / 8));
+    for (int64_t i = 0; i < m; i++)
+        bits[pos[i] / 8] |= (uint8_t)(1u << (pos[i] % 8));
+    return *on = 1;
+}
+
 #define SAME(u) (u)
 #define NO_NAN(u) 0
 #define F32_NAN(u) (((u) & 0x7FFFFFFFu) > 0x7F800000u)
@@ -79,7 +94,8 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
     int64_t NAME(const S *restrict src, int64_t rows, int64_t cols, int64_t stride,       \
                  int64_t inner, int64_t ostride, T *restrict old, T *restrict values,     \
                  int32_t *restrict pos, int64_t cap, uint8_t *restrict bits) {            \
-        int64_t m = 0;                                                                    \
+        int64_t m = 0, n = rows * cols;                                                   \
+        int on = 0;                                                                       \
         for (int64_t r = 0; r < rows; r++) {                                              \
             const S *row = src + (r / inner) * ostride + (r % inner) * stride;            \
             T *was = old + r * cols;                                                      \
@@ -101,7 +117,8 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
                 uint64_t w = gather_bits(ne, k);                                          \
                 if (!w) continue;                                                         \
                 int64_t at = r * cols + c;                                                \
-                if (bits) or_bits(bits, at, w, k);                                           \
+                if (use_bits(bits, &on, n, pos, m, __builtin_popcountll(w), cap))         \
+                    or_bits(bits, at, w, k);                                              \
                 while (w) {                                                               \
                     int j = __builtin_ctzll(w);                                           \
                     w &= w - 1;                                                           \
@@ -116,46 +133,68 @@ static inline void or_bits(uint8_t *bits, int64_t at, uint64_t w, int k) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VBMI2__)
-/* The float32 -> bfloat16 pass with AVX-512 (BW, VL, VBMI2), 16 elements a step (the
- * last of a row under a mask): the cast (the same bits as to_bf16), the compare into a
- * 16-bit mask, and for a step with a change its values and positions compressed into
- * place and the copy written under the mask. Same results as the portable pass. */
+/* The float32 -> bfloat16 pass with AVX-512 (BW, VL, VBMI2), 32 elements a step (the
+ * last of a row under a mask): two vectors of 16 rounded (the same bits as to_bf16),
+ * their high halves picked into one vector of 32 by one permute (where a narrowing move
+ * a vector of 16 costs two shuffles), one compare with the copy into a 32-bit mask; a
+ * NaN seen through the largest magnitude of a block (an unsigned max, off the shuffle
+ * port the compares into masks use). For a step with a change, its values and positions
+ * are compressed into place and the copy written under the mask. Same results as the
+ * portable pass (a test compares them). */
 #include <immintrin.h>
 
-/* k's elements of a step cast into *b; the mask of those that differ from the copy, or
- * of those that are NaNs into *nan */
-static inline __mmask16 step16(const uint32_t *row, const uint16_t *was, __mmask16 k,
-                               __m256i *b, __mmask16 *nan) {
-    __m512i u = _mm512_maskz_loadu_epi32(k, row);
-    *nan |= _mm512_mask_cmpgt_epu32_mask(k, _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                         _mm512_set1_epi32(0x7F800000));
+static inline __m512i round_bf16(__m512i u) { /* in each 32-bit lane's high half */
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-    *b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-    return _mm256_mask_cmpneq_epi16_mask(k, *b, _mm256_maskz_loadu_epi16(k, was));
+    return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
 }
 
-/* a step's changes (ne, at flat position at): values and positions compressed into
- * place, the copy written under the mask, the bits OR-ed in; returns the new count */
-static inline int64_t collect16(__m256i b, __mmask16 ne, int64_t at, uint16_t *was,
-                                uint16_t *values, int64_t n, int32_t *pos, int64_t cap,
-                                uint8_t *bits, int64_t m) {
-    if (m + 16 <= n) /* a whole store: m changes before at, so this holds but at a tail */
-        _mm256_storeu_si256((__m256i *)(values + m), _mm256_maskz_compress_epi16(ne, b));
-    else
-        _mm256_mask_compressstoreu_epi16(values + m, ne, b);
-    _mm256_mask_storeu_epi16(was, ne, b);
-    if (bits) or_bits(bits, at, (uint64_t)ne, 16);
+/* the elements of k (of 32 from row) cast into *b, in order; the mask of those that
+ * differ from the copy; *top: the unsigned max of *top and their magnitudes' bits */
+static inline __mmask32 step32(const uint32_t *row, const uint16_t *was, __mmask32 k,
+                               __m512i *b, __m512i *top) {
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i odd = _mm512_setr_epi32( /* 16-bit lanes 1, 3, ..., 63 of a then b */
+        0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+        0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+        0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    __m512i u0 = _mm512_maskz_loadu_epi32((__mmask16)k, row);
+    __m512i u1 = _mm512_maskz_loadu_epi32((__mmask16)(k >> 16), row + 16);
+    *top = _mm512_max_epu32(*top, _mm512_max_epu32(_mm512_and_si512(u0, abs),
+                                                    _mm512_and_si512(u1, abs)));
+    *b = _mm512_permutex2var_epi16(round_bf16(u0), odd, round_bf16(u1));
+    return _mm512_mask_cmpneq_epi16_mask(k, *b, _mm512_maskz_loadu_epi16(k, was));
+}
+
+/* up to 16 changes' flat positions (the bits of ne from at), after the m kept */
+static inline void positions16(uint32_t ne, int64_t at, int32_t *pos, int64_t m,
+                               int64_t cap) {
     if (m + 16 <= cap) {
         __m512i p = _mm512_add_epi32(_mm512_set1_epi32((int32_t)at),
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        _mm512_storeu_si512((void *)(pos + m), _mm512_maskz_compress_epi32(ne, p));
+        _mm512_storeu_si512((void *)(pos + m), _mm512_maskz_compress_epi32((__mmask16)ne, p));
     } else {
-        uint32_t w = ne;
-        for (int64_t i = m; w; i++, w &= w - 1)
-            if (i < cap) pos[i] = (int32_t)(at + __builtin_ctz(w));
+        for (int64_t i = m; ne; i++, ne &= ne - 1)
+            if (i < cap) pos[i] = (int32_t)(at + __builtin_ctz(ne));
     }
-    return m + __builtin_popcount((unsigned)ne);
+}
+
+/* a step's changes (ne, at flat position at): values and positions compressed into
+ * place, the copy written under the mask, the bits set (use_bits); the new count */
+static inline int64_t collect32(__m512i b, __mmask32 ne, int64_t at, uint16_t *was,
+                                uint16_t *values, int64_t n, int32_t *pos, int64_t cap,
+                                uint8_t *bits, int *on, int64_t m) {
+    if (m + 32 <= n) /* a whole store: m changes before at, so this holds but at a tail */
+        _mm512_storeu_si512((void *)(values + m), _mm512_maskz_compress_epi16(ne, b));
+    else
+        _mm512_mask_compressstoreu_epi16(values + m, ne, b);
+    _mm512_mask_storeu_epi16(was, ne, b);
+    uint32_t lo = ne & 0xFFFF, hi = ne >> 16;
+    if (use_bits(bits, on, n, pos, m, __builtin_popcount(ne), cap))
+        or_bits(bits, at, (uint64_t)ne, 32);
+    if (lo) positions16(lo, at, pos, m, cap);
+    m += __builtin_popcount(lo);
+    if (hi) positions16(hi, at + 16, pos, m, cap);
+    return m + __builtin_popcount(hi);
 }
 
 int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_t cols,
@@ -163,26 +202,27 @@ int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_
                               uint16_t *restrict old, uint16_t *restrict values,
                               int32_t *restrict pos, int64_t cap, uint8_t *restrict bits) {
     int64_t m = 0, n = rows * cols;
+    int on = 0;
+    const __m512i inf = _mm512_set1_epi32(0x7F800000); /* a magnitude above: a NaN */
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t *row = src + (r / inner) * ostride + (r % inner) * stride;
         uint16_t *was = old + r * cols;
-        int64_t at0 = r * cols, c = 0;
-        for (; c + 64 <= cols; c += 64) { /* four steps checked at once */
-            __m256i b[4];
-            __mmask16 ne[4], nan = 0, any = 0;
-            for (int q = 0; q < 4; q++)
-                any |= ne[q] = step16(row + c + 16 * q, was + c + 16 * q, 0xFFFF, &b[q], &nan);
-            if (nan) return -1;
-            for (int q = 0; any && q < 4; q++)
-                if (ne[q]) m = collect16(b[q], ne[q], at0 + c + 16 * q, was + c + 16 * q,
-                                         values, n, pos, cap, bits, m);
+        int64_t at = r * cols, c = 0;
+        for (; c + 64 <= cols; c += 64) { /* two steps, then their NaN check */
+            __m512i b0, b1, top = _mm512_setzero_si512();
+            __mmask32 ne0 = step32(row + c, was + c, 0xFFFFFFFFu, &b0, &top);
+            __mmask32 ne1 = step32(row + c + 32, was + c + 32, 0xFFFFFFFFu, &b1, &top);
+            if (_mm512_cmpgt_epu32_mask(top, inf)) return -1;
+            if (ne0) m = collect32(b0, ne0, at + c, was + c, values, n, pos, cap, bits, &on, m);
+            if (ne1) m = collect32(b1, ne1, at + c + 32, was + c + 32, values, n, pos, cap,
+                                   bits, &on, m);
         }
-        for (; c < cols; c += 16) { /* the rest, the last step under a mask */
-            __m256i b;
-            __mmask16 nan = 0, k = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
-            __mmask16 ne = step16(row + c, was + c, k, &b, &nan);
-            if (nan) return -1;
-            if (ne) m = collect16(b, ne, at0 + c, was + c, values, n, pos, cap, bits, m);
+        for (; c < cols; c += 32) { /* the rest, the last step under a mask */
+            __m512i b, top = _mm512_setzero_si512();
+            __mmask32 k = cols - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (cols - c)) - 1);
+            __mmask32 ne = step32(row + c, was + c, k, &b, &top);
+            if (_mm512_cmpgt_epu32_mask(top, inf)) return -1;
+            if (ne) m = collect32(b, ne, at + c, was + c, values, n, pos, cap, bits, &on, m);
         }
     }
     return m;

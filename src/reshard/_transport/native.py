@@ -167,18 +167,20 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
          bits: torch.Tensor | None, *, portable: bool = False) -> int:
     """One pass: every element of ``src`` (cast to ``old``'s dtype) that differs bit for
     bit from ``old`` (both in row-major order) has its value written to ``values`` (in
-    order), its flat position to ``pos`` (int32, while there is room), its bit set in
-    ``bits`` (uint8, zeroed here first; element ``i`` at bit ``i % 8`` of byte ``i //
-    8``) and written into ``old``. Returns how many differ, or -1 when a float32 element
-    of ``src`` is a NaN (``old`` is then partly written: the caller rewrites it whole).
+    order), its flat position to ``pos`` (int32, while there is room) and is written
+    into ``old``. Once more differ than ``pos`` holds, ``bits`` (uint8; element ``i`` at
+    bit ``i % 8`` of byte ``i // 8``) is zeroed and takes every change's bit; with no
+    more than ``pos`` holds it is not touched (not zeroed: nothing to pay for where the
+    positions are the cheaper encoding). Returns how many differ, or -1 when a float32
+    element of ``src`` is a NaN (``old`` is then partly written: the caller rewrites it
+    whole).
     Only for pairs :func:`supports`. ``portable``: float32 into bfloat16 by the portable
     C pass even where the host's vector pass (AVX-512) was built (tests compare them)."""
     n = old.numel()
     assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
     rows, cols, stride, inner, ostride = _rows(src)
     if bits is not None:
-        bits = bits[:(n + 7) // 8]
-        bits.zero_()
+        assert bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8
     lib = library()
     fn = (getattr(lib, "reshard_diff_f32_bf16" + ("_portable" if portable else ""))
           if src.dtype != old.dtype else getattr(lib, _SAME[old.element_size()]))

@@ -169,8 +169,12 @@ def encode_fused(src: torch.Tensor, old: torch.Tensor,
     if m == 0:
         return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64), old[:0])
     values = values[:m].clone()  # the scratch buffers serve the next region
-    if kind == BITMAP:
-        head = bits.clone()
+    if kind == BITMAP and m > cap:  # the pass set every change's bit
+        head = bits[:(n + 7) // 8].clone()
+    elif kind == BITMAP:  # a few too many for offsets: the bits from the positions
+        mask = np.zeros(n, dtype=np.bool_)
+        mask[pos[:m].numpy()] = True
+        head = torch.from_numpy(np.packbits(mask, bitorder="little"))
     else:
         assert m <= cap, (m, cap, n)
         head = _offsets(pos[:m].numpy(), kind)  # a copy, in the offsets' width
