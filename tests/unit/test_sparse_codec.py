@@ -213,6 +213,38 @@ def test_the_vector_pass_and_the_portable_pass_agree(rows, cols, frac, seed, nan
 
 
 @needs_native
+@settings(max_examples=60, deadline=None)
+@given(regions=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 200),
+                                  st.sampled_from([0, 0.01, 0.1, 1]), st.booleans()),
+                        min_size=1, max_size=6),
+       seed=st.integers(0, 2**31 - 1))
+def test_many_regions_in_one_call_encode_as_one_at_a_time(regions, seed):
+    """encode_fused_many: the same encodings (kind, count, payload bytes) and updated
+    copies as encode_fused region by region, for regions of any size and changed
+    fraction (offsets, bitmap, dense, nothing changed; a NaN: sent whole) side by side
+    in one batch's buffers."""
+    g = torch.Generator().manual_seed(seed)
+    pairs, copies = [], []
+    for rows, cols, frac, nan in regions:
+        src = torch.randn(rows, cols + 3, generator=g)[:, 1:1 + cols]  # rows at a stride
+        if nan:
+            src[rows // 2, cols // 2] = float("nan")
+        old = src.reshape(-1).to(torch.bfloat16)
+        old.view(torch.int16)[torch.rand(old.numel(), generator=g) < frac] ^= 1
+        pairs.append((src, old))
+        copies.append(old.clone())
+    got = codec.encode_fused_many(pairs)
+    for (src, copy_b), copy_a, enc in zip(pairs, copies, got):
+        want = codec.encode_fused(src, copy_a, _scratch)
+        assert (enc.kind, enc.count, enc.nbytes) == (want.kind, want.count, want.nbytes)
+        assert torch.equal(_bits(copy_a), _bits(copy_b))
+        a, b = (torch.zeros(e.nbytes, dtype=torch.uint8) for e in (want, enc))
+        codec.write_payload(want, a)
+        codec.write_payload(enc, b)
+        assert torch.equal(a, b)
+
+
+@needs_native
 @pytest.mark.parametrize("shape,cut", [((9, 70), (slice(2, 8), slice(3, 68))),
                                        ((4, 5, 130), (slice(1, 3), slice(None), slice(1, 129))),
                                        ((6, 64), (slice(None), slice(0, 64))),

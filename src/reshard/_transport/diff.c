@@ -284,3 +284,23 @@ static inline int64_t at_of(int64_t p, int64_t cols, int64_t stride, int64_t inn
 APPLY(reshard_apply_u8, uint8_t)
 APPLY(reshard_apply_u16, uint16_t)
 APPLY(reshard_apply_u32, uint32_t)
+
+/* Many regions in one call, so that a caller pays its own per-region cost once a batch
+ * rather than between passes: region i is d[12 i .. 12 i + 11] = {kind, src, rows,
+ * cols, stride, inner, ostride, old, values, pos, cap, bits} (kind 0: float32 into
+ * bfloat16; 1, 2 or 4: a type of that many bytes against its own), its count (as the
+ * one-region functions return it) into out[i]. */
+void reshard_diff_many(const int64_t *d, int64_t count, int64_t *out) {
+    for (int64_t i = 0; i < count; i++, d += 12) {
+#define ARGS(S, T) (const S *)d[1], d[2], d[3], d[4], d[5], d[6], (T *)d[7], (T *)d[8], \
+                   (int32_t *)d[9], d[10], (uint8_t *)d[11]
+        switch (d[0]) {
+        case 0: out[i] = reshard_diff_f32_bf16(ARGS(uint32_t, uint16_t)); break;
+        case 1: out[i] = reshard_diff_u8(ARGS(uint8_t, uint8_t)); break;
+        case 2: out[i] = reshard_diff_u16(ARGS(uint16_t, uint16_t)); break;
+        case 4: out[i] = reshard_diff_u32(ARGS(uint32_t, uint32_t)); break;
+        default: out[i] = -2;
+        }
+#undef ARGS
+    }
+}

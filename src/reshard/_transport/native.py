@@ -28,9 +28,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["apply", "compiler", "diff", "library", "supports"]
+__all__ = ["apply", "compiler", "diff", "diff_many", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -96,6 +97,8 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = _INT
         fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
+    lib.reshard_diff_many.restype = None
+    lib.reshard_diff_many.argtypes = [_PTR, _INT, _PTR]
     for name in _APPLY.values():
         fn = getattr(lib, name)
         fn.restype = _INT
@@ -187,6 +190,26 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
     return fn(src.data_ptr(), rows, cols, stride, inner, ostride, old.data_ptr(),
               values.data_ptr(),
               pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
+
+
+def diff_many(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]]) -> list[int]:
+    """:func:`diff` of many regions in one native call: ``jobs`` of ``(src, old, values,
+    pos, bits)``, each a pair :func:`supports` and buffers as :func:`diff` takes them
+    (``bits`` not None); each one's count, as :func:`diff` returns it. The caller's
+    Python then runs once a batch, not between passes over memory."""
+    desc = np.empty((len(jobs), 12), dtype=np.int64)
+    for row, (src, old, values, pos, bits) in zip(desc, jobs):
+        n = old.numel()
+        assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
+        assert bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8
+        rows, cols, stride, inner, ostride = _rows(src)
+        row[:] = (0 if src.dtype != old.dtype else old.element_size(), src.data_ptr(), rows,
+                  cols, stride, inner, ostride, old.data_ptr(), values.data_ptr(),
+                  pos.data_ptr(), pos.numel(), bits.data_ptr())
+    out = np.empty(len(jobs), dtype=np.int64)
+    library().reshard_diff_many(desc.ctypes.data, len(jobs), out.ctypes.data)
+    return out.tolist()
 
 
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,

@@ -155,11 +155,44 @@ def encode_fused(src: torch.Tensor, old: torch.Tensor,
     source of other strides, another cast): the caller casts and calls :func:`encode`."""
     if not native.supports(src, old):
         return None
-    n, itemsize = old.numel(), old.element_size()
-    cap = n // 16 + 8  # more changed than this: a bitmap or dense is cheaper than offsets
-    values, pos = scratch(old.dtype, n), scratch(torch.int32, cap)
+    n = old.numel()
+    values, pos = scratch(old.dtype, n), scratch(torch.int32, _cap(n))
     bits = scratch(torch.uint8, (n + 7) // 8)
     m = native.diff(src, old, values, pos, bits)
+    return _fused(src, old, m, values, pos, bits, owned=False)
+
+
+def encode_fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Encoded]:
+    """:func:`encode_fused` of many ``(src, old)`` pairs, each one :func:`reshard.
+    _transport.native.supports`, in one native call: the buffers are one batch's, fresh
+    (only the pages the changes are written to are touched), and the encodings keep
+    views of them rather than copies."""
+    sizes = [old.numel() for _, old in pairs]
+    values = torch.empty(sum(-(-n // 32) * 32 for n in sizes), dtype=pairs[0][1].dtype)
+    pos = torch.empty(sum(_cap(n) for n in sizes), dtype=torch.int32)
+    bits = torch.empty(sum((n + 7) // 8 + 8 for n in sizes), dtype=torch.uint8)
+    jobs, v, p, b = [], 0, 0, 0
+    for (src, old), n in zip(pairs, sizes):
+        if old.dtype != values.dtype:  # one dtype a batch: the caller groups them
+            raise ValueError(f"encode_fused_many: {old.dtype} among {values.dtype}")
+        jobs.append((src, old, values[v:v + n], pos[p:p + _cap(n)], bits[b:b + (n + 7) // 8]))
+        v, p, b = v + -(-n // 32) * 32, p + _cap(n), b + (n + 7) // 8 + 8
+    counts = native.diff_many(jobs)
+    return [_fused(src, old, m, vals, at, bit, owned=True)
+            for (src, old, vals, at, bit), m in zip(jobs, counts)]
+
+
+def _cap(n: int) -> int:
+    """Positions a fused pass keeps: with more changed than this, a bitmap or dense is
+    cheaper than offsets."""
+    return n // 16 + 8
+
+
+def _fused(src: torch.Tensor, old: torch.Tensor, m: int, values: torch.Tensor,
+           pos: torch.Tensor, bits: torch.Tensor, *, owned: bool) -> Encoded:
+    """A fused pass's outcome (its count ``m``, ``values``, ``pos``, ``bits``) as an
+    encoding; ``owned``: the buffers are the encoding's to keep (else scratch, copied)."""
+    n, itemsize, cap = old.numel(), old.element_size(), _cap(old.numel())
     if m < 0:  # a NaN: torch's own cast (its NaN differs between its loops), sent whole
         old.view(src.shape).copy_(src)
         return Encoded(DENSE, n, n * itemsize, [_bytes(old)], None, old)
@@ -168,13 +201,15 @@ def encode_fused(src: torch.Tensor, old: torch.Tensor,
         return Encoded(DENSE, m, n * itemsize, [_bytes(old)], None, old)
     if m == 0:
         return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64), old[:0])
-    values = values[:m].clone()  # the scratch buffers serve the next region
+    values = values[:m] if owned else values[:m].clone()
     if kind == BITMAP and m > cap:  # the pass set every change's bit
-        head = bits[:(n + 7) // 8].clone()
+        head = bits[:(n + 7) // 8] if owned else bits[:(n + 7) // 8].clone()
     elif kind == BITMAP:  # a few too many for offsets: the bits from the positions
         mask = np.zeros(n, dtype=np.bool_)
         mask[pos[:m].numpy()] = True
         head = torch.from_numpy(np.packbits(mask, bitorder="little"))
+    elif owned and kind == OFFSETS32:  # the positions as they are
+        head = _bytes(pos[:m])
     else:
         assert m <= cap, (m, cap, n)
         head = _offsets(pos[:m].numpy(), kind)  # a copy, in the offsets' width

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from reshard._transport import native
 from reshard._transport import sparse as codec
 from reshard._transport.integrity import digest
 from reshard._transport.runner import wait_for
@@ -148,6 +149,7 @@ class SparseRunner:
         for key in self.keys:
             self._uses[key] = self._uses.get(key, 0) + 1
         self._memo: dict[tuple, list] = {}  # this run: a shared copy's encoding, uses left
+        self._ready: dict[int, codec.Encoded] = {}  # this step, compared ahead: id(hop) -> it
         self.copies = copies if copies is not None else Copies()
         self.base: int | None = None  # the version the copies must hold to go sparse
         self._work: dict[tuple, torch.Tensor] = {}  # scratch: (dtype, device) -> buffer
@@ -299,7 +301,49 @@ class SparseRunner:
         return codec.Encoded(codec.DENSE, last.numel(), h.nbytes, [last.view(torch.uint8)],
                              None, last)
 
+    def _prefetch(self, units: list[list[Hop]], j: int, room: int, sparse: bool
+                  ) -> set[int]:
+        """Compare, in one native call, the regions of ``units[j]`` and of the units
+        after it that this step surely carries (those before it hold fewer than ``room``
+        bytes dense, and an encoding is never larger than dense), where the fused pass
+        runs and nothing else is asked first (a copy of this one send, holding the base,
+        that changed little at the last refit): their encodings wait in ``_ready`` for
+        :meth:`_encode_copy`. Returns the units looked at (``id``). One call a batch
+        spares a call's Python between passes over memory for each region."""
+        looked, batch, ahead = set(), [], 0
+        for unit in units[j:]:
+            if looked and ahead >= room:
+                break
+            looked.add(id(unit))
+            for h in unit:
+                ahead += h.nbytes
+                i = self._slot[id(h)]
+                if not sparse or self._uses[self.keys[i]] != 1:
+                    continue
+                try:
+                    read = self.views.read(h)
+                except Exception:  # noqa: BLE001 - the usual path meets it, and says so
+                    continue
+                copy = self._copy(i, read)
+                if (copy.version is None or copy.version != self.base
+                        or copy.changed > SAMPLE_ABOVE or not native.supports(read, copy.values)):
+                    continue
+                batch.append((h, read, copy))
+        for dtype in {c.values.dtype for _, _, c in batch}:
+            group = [(h, r, c) for h, r, c in batch if c.values.dtype == dtype]
+            if len(group) < 2:  # nothing to spare
+                continue
+            encs = codec.encode_fused_many([(r, c.values) for _, r, c in group])
+            for (h, _, copy), enc in zip(group, encs):
+                n = copy.values.numel()
+                copy.changed = enc.count / n if n else 0.0
+                self._ready[id(h)] = enc
+        return looked
+
     def _encode_copy(self, i: int, h: Hop, sparse: bool) -> codec.Encoded:
+        enc = self._ready.pop(id(h), None)
+        if enc is not None:  # compared ahead (_prefetch)
+            return enc
         read = self.views.read(h)
         copy = self._copy(i, read)
         last, n = copy.values, copy.values.numel()
@@ -428,12 +472,19 @@ class SparseRunner:
         t0 = time.perf_counter()
         encs, size, used = [], 0, 0
         cap = max(1, self.budget // 6) if chunk else self.budget
-        for unit in units:
+        self._ready, fetched = {}, set()
+        for j, unit in enumerate(units):
             if used and size >= cap:
                 break
+            if id(unit) not in fetched:
+                fetched |= self._prefetch(units, j, cap - size, sparse)
             used += 1
             for h in unit:
                 size += self._encode_hop(h, sparse, encs, stats, device)
+        if self._ready:  # compared (their copies written) but not sent: never so by design
+            self.read_error = self.read_error or RuntimeError(
+                f"{len(self._ready)} regions compared ahead were not sent")
+            self._ready = {}
         inline = [e for e in encs if not _alone(e.kind, e.nbytes)]
         offsets, pos = [], 0
         for enc in inline:
