@@ -283,6 +283,42 @@ def test_the_fused_pass_leaves_other_strides_to_the_scans():
 
 
 @needs_native
+def test_many_payloads_in_one_call_apply_as_one_at_a_time():
+    """decode_into_many: regions the native pass writes (rows of a tensor, every sparse
+    encoding), one it leaves to numpy (a transposed view), a dense one, side by side;
+    each lands as decode_into lands it alone, and only the payload that does not fit
+    its header is reported."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(40, 70, generator=g).to(torch.bfloat16)
+    regions = [lambda t: t[0:10], lambda t: t[10:20, 5:60], lambda t: t[20:30].t(),
+               lambda t: t[30:34], lambda t: t[34:40]]
+    kinds = [codec.OFFSETS16, codec.BITMAP, codec.OFFSETS32, codec.DENSE, codec.BITMAP]
+    items, want = [], []
+    for region_of, kind in zip(regions, kinds):
+        region = region_of(base)
+        n = region.numel()
+        new = region.reshape(-1).clone()
+        hit = torch.rand(n, generator=g) < 0.1
+        new[hit] = torch.randn(int(hit.sum()), generator=g).to(torch.bfloat16)
+        enc, _ = _roundtrip(new, region.reshape(-1).clone(), kind)
+        body = torch.zeros(enc.nbytes, dtype=torch.uint8)
+        codec.write_payload(enc, body)
+        alone = region_of(base.clone())
+        assert codec.decode_into(alone, kind, n, enc.count, body)
+        want.append(alone)
+        items.append((kind, n, enc.count, body))
+    m_bad = items[-1][2] + 1  # the last one's header says one change more than its bits
+    items[-1] = (*items[-1][:2], m_bad, torch.cat([items[-1][3],
+                                                   torch.zeros(16, dtype=torch.uint8)]))
+    got = base.clone()
+    fits = codec.decode_into_many([(region_of(got), *item)
+                                   for region_of, item in zip(regions, items)])
+    assert fits == [True, True, True, True, False]
+    for region_of, alone in list(zip(regions, want))[:-1]:
+        assert torch.equal(_bits(region_of(got).reshape(-1)), _bits(alone.reshape(-1)))
+
+
+@needs_native
 @settings(max_examples=150, deadline=None)
 @given(rows=st.integers(1, 12), cols=st.integers(1, 150), frac=st.floats(0, 1),
        seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(

@@ -304,3 +304,20 @@ void reshard_diff_many(const int64_t *d, int64_t count, int64_t *out) {
 #undef ARGS
     }
 }
+
+/* Many regions' payloads applied in one call: region i is d[11 i .. 11 i + 10] =
+ * {width (1, 2 or 4 bytes), dst, rows, cols, stride, inner, ostride, kind, index, m,
+ * values}, its result (as the one-region functions return it) into out[i]. */
+void reshard_apply_many(const int64_t *d, int64_t count, int64_t *out) {
+    for (int64_t i = 0; i < count; i++, d += 11) {
+#define ARGS(T) (T *)d[1], d[2], d[3], d[4], d[5], d[6], (int)d[7], (const void *)d[8], \
+                d[9], (const T *)d[10]
+        switch (d[0]) {
+        case 1: out[i] = reshard_apply_u8(ARGS(uint8_t)); break;
+        case 2: out[i] = reshard_apply_u16(ARGS(uint16_t)); break;
+        case 4: out[i] = reshard_apply_u32(ARGS(uint32_t)); break;
+        default: out[i] = -2;
+        }
+#undef ARGS
+    }
+}

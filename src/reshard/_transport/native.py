@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["apply", "compiler", "diff", "diff_many", "library", "supports"]
+__all__ = ["apply", "apply_many", "compiler", "diff", "diff_many", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -97,8 +97,9 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = _INT
         fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT, _PTR]
-    lib.reshard_diff_many.restype = None
-    lib.reshard_diff_many.argtypes = [_PTR, _INT, _PTR]
+    for name in ("reshard_diff_many", "reshard_apply_many"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [_PTR, _INT, _PTR]
     for name in _APPLY.values():
         fn = getattr(lib, name)
         fn.restype = _INT
@@ -222,6 +223,31 @@ def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
     bitmap has more than ``m``), or None where this does not run (no kernels, another
     element width, a region of other strides, not on the CPU): the caller applies it
     in numpy."""
+    row = _apply_row(region, kind, index, m, values)
+    if row is None:
+        return None
+    fn = getattr(library(), _APPLY[row[0]])
+    return fn(*row[1:])
+
+
+def apply_many(jobs: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tensor]]
+               ) -> list[int | None]:
+    """:func:`apply` of many ``(region, kind, index, m, values)`` in one native call;
+    None for those it does not run (the caller applies them in numpy)."""
+    rows = [_apply_row(*job) for job in jobs]
+    ready = [r for r in rows if r is not None]
+    done = np.empty(len(ready), dtype=np.int64)
+    if ready:
+        desc = np.array(ready, dtype=np.int64)
+        library().reshard_apply_many(desc.ctypes.data, len(ready), done.ctypes.data)
+    it = iter(done.tolist())
+    return [None if r is None else next(it) for r in rows]
+
+
+def _apply_row(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
+               values: torch.Tensor) -> tuple[int, ...] | None:
+    """:func:`apply`'s arguments, as ``reshard_apply_many`` reads a region (its element
+    width first), or None where it does not run."""
     if (region.device.type != "cpu" or region.element_size() not in _APPLY
             or values.dtype != region.dtype or not values.is_contiguous()
             or not index.is_contiguous()):
@@ -229,7 +255,5 @@ def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
     shape = _rows(region)
     if shape is None or library() is None:
         return None
-    rows, cols, stride, inner, ostride = shape
-    fn = getattr(library(), _APPLY[region.element_size()])
-    return fn(region.data_ptr(), rows, cols, stride, inner, ostride, kind, index.data_ptr(),
-              m, values.data_ptr())
+    return (region.element_size(), region.data_ptr(), *shape, kind, index.data_ptr(), m,
+            values.data_ptr())

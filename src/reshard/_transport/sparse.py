@@ -310,17 +310,31 @@ def decode_into(region: torch.Tensor, kind: int, n: int, m: int, payload: torch.
     (:func:`reshard._transport.native.apply`) where the region is rows of contiguous
     elements; False if the payload does not fit its header (positions outside the
     region, more bits set than ``m``, or fewer): the region is then not to be trusted."""
-    if kind != DENSE and m:
-        head = _index_nbytes(kind, n, m)
-        start = _aligned(head)
-        itemsize = region.element_size()
-        values = payload[start:start + m * itemsize].view(region.dtype)
-        done = native.apply(region, kind, payload[:head], m, values)
+    return decode_into_many([(region, kind, n, m, payload)])[0]
+
+
+def decode_into_many(items: list[tuple[torch.Tensor, int, int, int, torch.Tensor]]
+                     ) -> list[bool]:
+    """:func:`decode_into` of many ``(region, kind, n, m, payload)``, the sparse payloads
+    the native pass writes in one call (:func:`reshard._transport.native.apply_many`)."""
+    jobs, at = [], []
+    for j, (region, kind, n, m, payload) in enumerate(items):
+        if kind != DENSE and m:
+            head = _index_nbytes(kind, n, m)
+            start = _aligned(head)
+            values = payload[start:start + m * region.element_size()].view(region.dtype)
+            jobs.append((region, kind, payload[:head], m, values))
+            at.append(j)
+    ok = [True] * len(items)
+    native_done = dict(zip(at, native.apply_many(jobs))) if jobs else {}
+    for j, (region, kind, n, m, payload) in enumerate(items):
+        done = native_done.get(j)
         if done is not None:
-            return done == m
-    index, values = decode(kind, n, m, payload, region.dtype)
-    apply(region, index, values)
-    return True
+            ok[j] = done == m
+        else:
+            index, values = decode(kind, n, m, payload, region.dtype)
+            apply(region, index, values)
+    return ok
 
 
 def apply(region: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:

@@ -552,7 +552,7 @@ class SparseRunner:
                                             f"rank {peer} in step {k} ({self.checksum})")
             return
         body = parts[0] if head[0] else None
-        pos = 0
+        pos, inline, names = 0, [], []
         for j, h in enumerate(hops):
             kind, count = items[2 * j], items[2 * j + 1]
             dtype = self.dtypes[h.name]
@@ -563,14 +563,16 @@ class SparseRunner:
                     self.views.write(h).copy_(temps[j].view(dtype).view(h.size))
             elif size:  # nothing changed: no payload (a step may carry no body at all)
                 pos = -(-pos // 8) * 8
-                if not codec.decode_into(self.views.write(h), kind, n, count,
-                                         body[pos:pos + size]):
-                    self.corrupt = self.corrupt or (
-                        f"the sparse message from rank {peer} in step {k} does not match "
-                        f"its header (region {h.name})")
+                inline.append((self.views.write(h), kind, n, count, body[pos:pos + size]))
+                names.append(h.name)
                 pos += size
             stats.add(kind, size, count, n)
             stats.dense_bytes += h.nbytes
+        for name, fits in zip(names, codec.decode_into_many(inline)):  # one native call
+            if not fits:
+                self.corrupt = self.corrupt or (
+                    f"the sparse message from rank {peer} in step {k} does not match "
+                    f"its header (region {name})")
         stats.wire_received += sum(t.numel() for t in parts)  # the header: in _step
         stats.detect_seconds += time.perf_counter() - t0
 
