@@ -24,12 +24,24 @@
  * against 0.091 s when every block was stored and scanned; 0.106 s against 0.112 s at 1%
  * changed, where about half the blocks hold a change). Where the compiler targets
  * AVX-512 (BW, VL, VBMI2), float32 into bfloat16 takes the vector pass below instead:
- * 0.086 s at 1% changed, 0.119 s at 5% (0.106 and 0.133 s portable).
+ * 0.086 s at 1% changed, 0.119 s at 5% (0.106 and 0.133 s portable); both ask for
+ * the lines ahead themselves (AHEAD): the vector pass then 0.073 and 0.082 s.
  */
 #include <stdint.h>
 #include <string.h>
 
 #define BLOCK 64
+/* How far ahead (elements) each pass asks for the source and the copy: the hardware's own
+ * prefetch leaves the pass well short of a plain read's speed (one core, 150 M float32
+ * values against their bfloat16 copy, unchanged: 0.068 s against 0.059 s for the read;
+ * with this, 0.059 s; 512 to 2048 the same) */
+#define AHEAD 1024
+
+/* ask for the cache lines of `bytes` bytes at p (a hint: never faults, past an end too) */
+static inline void prefetch(const void *p, int bytes) {
+    for (int b = 0; b < bytes; b += 64)
+        __builtin_prefetch((const char *)p + b, 0, 3);
+}
 
 static inline uint16_t to_bf16(uint32_t u) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -101,6 +113,8 @@ static inline int use_bits(uint8_t *bits, int *on, int64_t n, const int32_t *pos
             T *was = old + r * cols;                                                      \
             for (int64_t c = 0; c < cols; c += BLOCK) {                                   \
                 int k = cols - c < BLOCK ? (int)(cols - c) : BLOCK;                       \
+                prefetch(row + c + AHEAD, BLOCK * (int)sizeof(S));                        \
+                prefetch(was + c + AHEAD, BLOCK * (int)sizeof(T));                        \
                 T nb[BLOCK];                                                              \
                 uint8_t ne[BLOCK];                                                        \
                 uint32_t nan = 0, any = 0;                                                \
@@ -209,6 +223,8 @@ int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_
         uint16_t *was = old + r * cols;
         int64_t at = r * cols, c = 0;
         for (; c + 64 <= cols; c += 64) { /* two steps, then their NaN check */
+            prefetch(row + c + AHEAD, 256);
+            prefetch(was + c + AHEAD, 128);
             __m512i b0, b1, top = _mm512_setzero_si512();
             __mmask32 ne0 = step32(row + c, was + c, 0xFFFFFFFFu, &b0, &top);
             __mmask32 ne1 = step32(row + c + 32, was + c + 32, 0xFFFFFFFFu, &b1, &top);
