@@ -173,8 +173,7 @@ def encode_fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[En
     bits = torch.empty(sum((n + 7) // 8 + 8 for n in sizes), dtype=torch.uint8)
     jobs, v, p, b = [], 0, 0, 0
     for (src, old), n in zip(pairs, sizes):
-        if old.dtype != values.dtype:  # one dtype a batch: the caller groups them
-            raise ValueError(f"encode_fused_many: {old.dtype} among {values.dtype}")
+        assert old.dtype == values.dtype, (old.dtype, values.dtype)  # the caller groups them
         jobs.append((src, old, values[v:v + n], pos[p:p + _cap(n)], bits[b:b + (n + 7) // 8]))
         v, p, b = v + -(-n // 32) * 32, p + _cap(n), b + (n + 7) // 8 + 8
     counts = native.diff_many(jobs)
