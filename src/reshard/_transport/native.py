@@ -180,37 +180,34 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
     whole).
     Only for pairs :func:`supports`. ``portable``: float32 into bfloat16 by the portable
     C pass even where the host's vector pass (AVX-512) was built (tests compare them)."""
-    n = old.numel()
-    assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
-    rows, cols, stride, inner, ostride = _rows(src)
-    if bits is not None:
-        assert bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8
-    lib = library()
-    fn = (getattr(lib, "reshard_diff_f32_bf16" + ("_portable" if portable else ""))
-          if src.dtype != old.dtype else getattr(lib, _SAME[old.element_size()]))
-    return fn(src.data_ptr(), rows, cols, stride, inner, ostride, old.data_ptr(),
-              values.data_ptr(),
-              pos.data_ptr(), pos.numel(), None if bits is None else bits.data_ptr())
+    row = _diff_row(src, old, values, pos, bits)
+    name = ("reshard_diff_f32_bf16" + ("_portable" if portable else "") if row[0] == 0
+            else _SAME[row[0]])
+    return getattr(library(), name)(*row[1:])
 
 
 def diff_many(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]]) -> list[int]:
     """:func:`diff` of many regions in one native call: ``jobs`` of ``(src, old, values,
-    pos, bits)``, each a pair :func:`supports` and buffers as :func:`diff` takes them
-    (``bits`` not None); each one's count, as :func:`diff` returns it. The caller's
-    Python then runs once a batch, not between passes over memory."""
-    desc = np.empty((len(jobs), 12), dtype=np.int64)
-    for row, (src, old, values, pos, bits) in zip(desc, jobs):
-        n = old.numel()
-        assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
-        assert bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8
-        rows, cols, stride, inner, ostride = _rows(src)
-        row[:] = (0 if src.dtype != old.dtype else old.element_size(), src.data_ptr(), rows,
-                  cols, stride, inner, ostride, old.data_ptr(), values.data_ptr(),
-                  pos.data_ptr(), pos.numel(), bits.data_ptr())
+    pos, bits)``, each as :func:`diff` takes them; each one's count, as :func:`diff`
+    returns it. The caller's Python then runs once a batch, not between passes over
+    memory."""
+    desc = np.array([_diff_row(*job) for job in jobs], dtype=np.int64).reshape(-1, 12)
     out = np.empty(len(jobs), dtype=np.int64)
     library().reshard_diff_many(desc.ctypes.data, len(jobs), out.ctypes.data)
     return out.tolist()
+
+
+def _diff_row(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+              bits: torch.Tensor | None) -> tuple[int, ...]:
+    """:func:`diff`'s arguments as ``reshard_diff_many`` reads a region: its kind first
+    (0: float32 into bfloat16, else the element width), a missing ``bits`` as 0 (NULL)."""
+    n = old.numel()
+    assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
+    assert bits is None or (bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8)
+    return (0 if src.dtype != old.dtype else old.element_size(), src.data_ptr(), *_rows(src),
+            old.data_ptr(), values.data_ptr(), pos.data_ptr(), pos.numel(),
+            0 if bits is None else bits.data_ptr())
 
 
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,

@@ -301,6 +301,10 @@ class SparseRunner:
         return codec.Encoded(codec.DENSE, last.numel(), h.nbytes, [last.view(torch.uint8)],
                              None, last)
 
+    def _holds_base(self, copy: RegionCopy) -> bool:
+        """Whether a region's copy holds the version this run's sparse peers hold."""
+        return copy.version is not None and copy.version == self.base
+
     def _prefetch(self, units: list[list[Hop]], j: int, room: int, sparse: bool
                   ) -> set[int]:
         """Compare, in one native call, the regions of ``units[j]`` and of the units
@@ -325,8 +329,8 @@ class SparseRunner:
                 except Exception:  # noqa: BLE001 - the usual path meets it, and says so
                     continue
                 copy = self._copy(i, read)
-                if (copy.version is None or copy.version != self.base
-                        or copy.changed > SAMPLE_ABOVE or not native.supports(read, copy.values)):
+                if (not self._holds_base(copy) or copy.changed > SAMPLE_ABOVE  # sampled first
+                        or not native.supports(read, copy.values)):
                     continue
                 batch.append((h, read, copy))
         for dtype in {c.values.dtype for _, _, c in batch}:
@@ -347,8 +351,7 @@ class SparseRunner:
         read = self.views.read(h)
         copy = self._copy(i, read)
         last, n = copy.values, copy.values.numel()
-        held = copy.version is not None and copy.version == self.base
-        if not (sparse and held) or self._likely_dense(h, read, copy):
+        if not (sparse and self._holds_base(copy)) or self._likely_dense(h, read, copy):
             last.view(h.size).copy_(read)  # cast straight into the copy, sent from there
             copy.changed = 1.0
             return codec.Encoded(codec.DENSE, n, h.nbytes, [last.view(torch.uint8)], None,
