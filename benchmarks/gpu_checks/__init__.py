@@ -10,8 +10,10 @@ On a machine with one CUDA device, with no set-up and in a few minutes:
    ``execute_schedule_local`` (a flat and a forwarding schedule), the ``"sum"`` and
    ``"crc32"`` digests of host and device copies of the same bytes, the real
    ``Executor`` on in-process thread ranks holding device tensors (p2p, and reshard
-   with forwards and checksums), and a gloo group refusing device tensors
-   (``correctness``);
+   with forwards and checksums), a gloo group refusing device tensors
+   (``correctness``), and a sparse refit on thread ranks (float32 trainer shards into
+   bfloat16 engine ranks, about 1 % changed) equal bit for bit to a dense one's
+   (``sparse``);
 3. packing speed: one rank's regions of a model-shaped state (Qwen3-8B, tp4 ->
    tp2,dp2, bf16 by default; as many decoder layers as ``--max-gib`` allows) copied
    into the staging arena (pack, on the first source rank) and out of it (unpack, on
@@ -23,14 +25,18 @@ On a machine with one CUDA device, with no set-up and in a few minutes:
    of 3 ranks that end mid-block, quantized shard by shard on the device as a refit
    does, in GB/s of bf16 read, and checked bit for bit against the reference
    quantizer (``quant``);
-5. several ranks on one GPU, each tried in a subprocess with a timeout: an NCCL world
+5. sparse change detection (issue 39): a float32 region against its bfloat16 copy at
+   0.1 %, 1 % and 5 % changed, as the sparse runner detects on a device, exact, timed
+   against the dense sender's cast and as the wire speed it keeps pace with
+   (``sparse``);
+6. several ranks on one GPU, each tried in a subprocess with a timeout: an NCCL world
    of one (local copies, a message to itself), two NCCL processes on one device
    (``nccl``), CUDA IPC between two processes (one packs, the other unpacks; ``ipc``),
    and the colocated transport (``method="colocated"``, CUDA IPC) between two processes
    that are each a trainer and an engine rank, checked after an in-place update and a
    reallocation of the trainer's weights, then timed (``colocated``); ``probes`` runs
    them;
-6. a chosen list of existing test files under pytest, each a subprocess with a
+7. a chosen list of existing test files under pytest, each a subprocess with a
    timeout; the files left out are listed with the reason, and so are skipped tests
    (``pytest_runs``).
 
@@ -68,6 +74,7 @@ from .pytest_runs import TESTS_RUN, UNCLASSIFIED, run_test_file, run_tests, sele
 from .report import build_report, exit_code, mismatches, render_table, write_report
 from .results import ERROR, FAIL, PASS, SKIPPED, Check, PackingResult, PytestRun, Results
 from .runner import collect, main
+from .sparse import check_sparse_threads, measure_sparse_detection
 from .staging import ALIGN, LibraryStager, PlainStager, lay_out, make_stager
 from .synthetic import plan_dtypes, rank_tensors, tiny_problem
 
@@ -75,10 +82,11 @@ __all__ = [
     "ALIGN", "ERROR", "FAIL", "PACKING_GOAL", "PASS", "PROBES", "PROBE_TAG",
     "PROBE_TIMEOUT", "ROOT", "SCRIPT", "SKIPPED", "TESTS_RUN", "UNCLASSIFIED", "WORKLOADS",
     "Check", "LibraryStager", "PackingResult", "PackingSetup", "PlainStager", "PytestRun",
-    "Results", "Workload", "build_report", "collect", "correctness_checks", "exit_code",
-    "lay_out", "main", "make_stager", "measure_packing", "measure_side", "mismatches",
-    "multi_rank_probes", "parse_args", "plan_dtypes", "probe_colocated", "probe_cuda_ipc",
-    "probe_in_subprocess", "probe_nccl_one_rank", "probe_results", "probe_two_ranks",
-    "rank_tensors", "render_table", "run_probe", "run_test_file", "run_tests",
-    "select_tests", "tiny_problem", "torch_features", "write_report",
+    "Results", "Workload", "build_report", "check_sparse_threads", "collect",
+    "correctness_checks", "exit_code", "lay_out", "main", "make_stager", "measure_packing",
+    "measure_side", "measure_sparse_detection", "mismatches", "multi_rank_probes",
+    "parse_args", "plan_dtypes", "probe_colocated", "probe_cuda_ipc", "probe_in_subprocess",
+    "probe_nccl_one_rank", "probe_results", "probe_two_ranks", "rank_tensors",
+    "render_table", "run_probe", "run_test_file", "run_tests", "select_tests",
+    "tiny_problem", "torch_features", "write_report",
 ]

@@ -23,6 +23,7 @@ from reshard.topology import Topology, domain_schedule
 from .environment import is_cuda
 from .paths import ROOT
 from .results import ERROR, FAIL, PASS, SKIPPED, Check, one_line, run_check
+from .sparse import check_sparse_threads
 from .synthetic import one_rank_plan, tiny_problem
 
 
@@ -169,5 +170,7 @@ def correctness_checks(device: str) -> list[Check]:
         ("Executor colocated on 8 thread ranks (in-process reads)",
          lambda: check_executor_threads(device, "colocated", False)),
         ("gloo group of one refuses device tensors", lambda: check_gloo_refuses(device)),
+        ("sparse refit on 8 thread ranks, float32 -> bfloat16, equal to a dense one's",
+         lambda: check_sparse_threads(device, load_inproc)),
     ]
     return [run_check(f"{name} [{device}]", fn) for name, fn in checks]

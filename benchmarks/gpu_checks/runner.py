@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ from .quant import NAME as QUANT_NAME
 from .quant import measure_quantization
 from .report import build_report, exit_code, write_report
 from .results import ERROR, Check, Results, one_line
+from .sparse import NAME as SPARSE_NAME
+from .sparse import measure_sparse_detection
 from .timing import free_memory, measure_copy
 
 
@@ -38,11 +40,13 @@ def _guarded_copy(args: argparse.Namespace) -> dict[str, Any]:
         free_memory(args.device)
 
 
-def _guarded_quantization(args: argparse.Namespace) -> Check:
+def _guarded(measure: Callable[[argparse.Namespace], Check], name: str,
+             args: argparse.Namespace) -> Check:
+    """A measurement that returns a check; an exception in it is that check's error."""
     try:
-        return measure_quantization(args)
+        return measure(args)
     except Exception as e:
-        return Check(QUANT_NAME, ERROR, one_line(e))
+        return Check(name, ERROR, one_line(e))
     finally:
         free_memory(args.device)
 
@@ -59,7 +63,9 @@ def collect(args: argparse.Namespace) -> Results:
     _say(f"correctness checks on {args.device}")
     res.checks = correctness_checks(args.device)
     _say(f"FP8 block quantization on {args.device}")
-    res.checks.append(_guarded_quantization(args))
+    res.checks.append(_guarded(measure_quantization, QUANT_NAME, args))
+    _say(f"sparse change detection on {args.device}")
+    res.checks.append(_guarded(measure_sparse_detection, SPARSE_NAME, args))
     _say(f"copy bandwidth ({args.copy_mib} MiB)")
     res.copy = _guarded_copy(args)
     _say(f"packing {args.model} {args.src} -> {args.dst}")

@@ -176,6 +176,43 @@ def test_quick_cpu_run_writes_the_report(tmp_path, capsys, monkeypatch):
     assert report["args"]["out"] == str(out) and report["args"]["quick"] is True
 
 
+def test_sparse_refit_check_passes_and_fails_on_a_wrong_apply(monkeypatch):
+    from gpu_checks.correctness import load_inproc
+    from gpu_checks.sparse import check_sparse_threads
+    from reshard._transport import sparse as codec
+
+    status, detail = check_sparse_threads("cpu", load_inproc)
+    assert status == gc.PASS and "offsets16" in detail, detail
+    real = codec.decode_into_many
+
+    def one_sign_wrong(items):  # every value applied, then one flipped back
+        out = real(items)
+        if items:
+            region = items[0][0]
+            first = (0,) * region.dim()
+            region[first] = -region[first]
+        return out
+
+    monkeypatch.setattr(codec, "decode_into_many", one_sign_wrong)
+    status, detail = check_sparse_threads("cpu", load_inproc)
+    assert status == gc.FAIL and "differ from a dense refit's" in detail, detail
+
+
+@pytest.mark.parametrize("path", ["native", "device"])
+def test_sparse_detection_measure_is_exact_on_either_path(path, monkeypatch):
+    from gpu_checks.sparse import measure_sparse_detection
+    from reshard._transport import sparse as codec
+
+    if path == "device":  # the scans a device runs (torch), here on the host
+        monkeypatch.setattr(codec, "encode_fused", lambda *a, **k: None)
+    args = gc.parse_args(["--device", "cpu", "--quick"])
+    check = measure_sparse_detection(args)
+    assert check.status == gc.PASS and check.detail.count("x the dense cast") == 3, check
+    monkeypatch.setattr(codec, "decode_into", lambda *a, **k: None)  # the payload lost
+    check = measure_sparse_detection(args)
+    assert check.status == gc.FAIL and "not exact at 0.1%, 1.0%, 5.0%" in check.detail
+
+
 def _tiny_plan():
     plan, _ = gc.tiny_problem("cpu")
     return plan, flat_schedule(plan, 4096)

@@ -318,6 +318,50 @@ def test_many_payloads_in_one_call_apply_as_one_at_a_time():
         assert torch.equal(_bits(region_of(got).reshape(-1)), _bits(alone.reshape(-1)))
 
 
+@pytest.mark.parametrize("fault", ["past the end", "negative", "values short",
+                                   "bits short", "dense short"])
+def test_a_payload_left_to_torch_that_does_not_fit_is_reported_not_applied(fault):
+    """The regions the native pass does not write (a transposed view here; every region
+    on a device) are checked against their header before anything is written: a position
+    outside the region, a payload cut short, fewer bits than the header's count. Each
+    reported (False), the region untouched, the others written; nothing raised (on a
+    device the scatter would stop the process)."""
+    base = torch.arange(60, dtype=torch.float32).view(6, 10).to(torch.bfloat16)
+    got = base.clone()
+    good, bad = got[0:3].t(), got[3:6].t()  # 30 elements each, left to torch / numpy
+    new = bad.reshape(-1).clone()
+    new[[2, 7, 29]] = -1.0
+    kind = {"past the end": codec.OFFSETS32, "negative": codec.OFFSETS32,
+            "values short": codec.OFFSETS16, "bits short": codec.BITMAP,
+            "dense short": codec.DENSE}[fault]
+    if kind == codec.DENSE:
+        body, m = new.view(torch.uint8).clone(), 30
+    else:
+        enc, _ = _roundtrip(new, bad.reshape(-1).clone(), kind)
+        body = torch.zeros(enc.nbytes, dtype=torch.uint8)
+        codec.write_payload(enc, body)
+        m = enc.count
+    if fault == "past the end":
+        body[8:12].view(torch.int32)[0] = 30  # the last position, one past the region
+    elif fault == "negative":
+        body[0:4].view(torch.int32)[0] = -1
+    elif fault in ("values short", "dense short"):
+        body = body[:-2]
+    else:
+        body[0] &= ~(1 << 2) & 0xFF  # one change's bit cleared: two bits for three values
+    fine = good.reshape(-1).clone()
+    fine[0] = 7.0
+    enc_good, _ = _roundtrip(fine, good.reshape(-1).clone(), codec.OFFSETS16)
+    body_good = torch.zeros(enc_good.nbytes, dtype=torch.uint8)
+    codec.write_payload(enc_good, body_good)
+    before = bad.clone()
+    fits = codec.decode_into_many([(good, codec.OFFSETS16, 30, enc_good.count, body_good),
+                                   (bad, kind, 30, m, body)])
+    assert fits == [True, False]
+    assert torch.equal(_bits(bad), _bits(before))
+    assert float(good[0, 0]) == 7.0
+
+
 @needs_native
 @settings(max_examples=150, deadline=None)
 @given(rows=st.integers(1, 12), cols=st.integers(1, 150), frac=st.floats(0, 1),

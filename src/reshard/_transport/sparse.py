@@ -326,14 +326,42 @@ def decode_into_many(items: list[tuple[torch.Tensor, int, int, int, torch.Tensor
             at.append(j)
     ok = [True] * len(items)
     native_done = dict(zip(at, native.apply_many(jobs))) if jobs else {}
+    rest = {}  # the others, decoded (torch / numpy), applied once checked
     for j, (region, kind, n, m, payload) in enumerate(items):
         done = native_done.get(j)
         if done is not None:
             ok[j] = done == m
         else:
-            index, values = decode(kind, n, m, payload, region.dtype)
-            apply(region, index, values)
+            rest[j] = decode(kind, n, m, payload, region.dtype)
+    fits = _fit(rest, items)
+    for j, (index, values) in rest.items():
+        ok[j] = fits[j]
+        if ok[j]:
+            apply(items[j][0], index, values)
     return ok
+
+
+def _fit(decoded: dict[int, tuple[torch.Tensor | None, torch.Tensor]],
+         items: list[tuple[torch.Tensor, int, int, int, torch.Tensor]]) -> dict[int, bool]:
+    """Whether each decoded payload fits its header (``m`` positions and values, every
+    position inside the region's ``n``; a dense one, ``n`` values), read in one go (on a
+    device, one wait for all of them): a payload that does not is never applied (on a
+    device its scatter would stop the process, on the host raise midway)."""
+    out, bounds = {}, {}
+    for j, (index, values) in decoded.items():
+        _, _, n, m, _ = items[j]
+        if index is None:
+            out[j] = values.numel() == n
+        elif index.numel() != m or values.numel() != m:
+            out[j] = False
+        elif m:
+            bounds[j] = torch.stack(torch.aminmax(index))
+        else:
+            out[j] = True
+    if bounds:
+        for j, (lo, hi) in zip(bounds, torch.stack(list(bounds.values())).tolist()):
+            out[j] = lo >= 0 and hi < items[j][2]
+    return out
 
 
 def apply(region: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
