@@ -43,6 +43,16 @@ static inline void prefetch(const void *p, int bytes) {
         __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
+/* row r's first source element (rows at one stride, in groups of `inner` at another) */
+#define ROW(src, r, inner, stride, ostride) \
+    ((src) + ((r) / (inner)) * (ostride) + ((r) % (inner)) * (stride))
+
+/* the source element AHEAD on from column c in the region's own order: along the row,
+ * then into the next row (`next`; the row itself for the last), not into the columns
+ * between them (a region of some columns of each row: those are another region's) */
+#define AHEAD_OF(row, next, c, cols) \
+    ((c) + AHEAD < (cols) ? (row) + (c) + AHEAD : (next) + ((c) + AHEAD - (cols)))
+
 static inline uint16_t to_bf16(uint32_t u) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
@@ -109,11 +119,12 @@ static inline int use_bits(uint8_t *bits, int *on, int64_t n, const int32_t *pos
         int64_t m = 0, n = rows * cols;                                                   \
         int on = 0;                                                                       \
         for (int64_t r = 0; r < rows; r++) {                                              \
-            const S *row = src + (r / inner) * ostride + (r % inner) * stride;            \
+            const S *row = ROW(src, r, inner, stride, ostride);                           \
+            const S *next = r + 1 < rows ? ROW(src, r + 1, inner, stride, ostride) : row; \
             T *was = old + r * cols;                                                      \
             for (int64_t c = 0; c < cols; c += BLOCK) {                                   \
                 int k = cols - c < BLOCK ? (int)(cols - c) : BLOCK;                       \
-                prefetch(row + c + AHEAD, BLOCK * (int)sizeof(S));                        \
+                prefetch(AHEAD_OF(row, next, c, cols), BLOCK * (int)sizeof(S));           \
                 prefetch(was + c + AHEAD, BLOCK * (int)sizeof(T));                        \
                 T nb[BLOCK];                                                              \
                 uint8_t ne[BLOCK];                                                        \
@@ -219,11 +230,12 @@ int64_t reshard_diff_f32_bf16(const uint32_t *restrict src, int64_t rows, int64_
     int on = 0;
     const __m512i inf = _mm512_set1_epi32(0x7F800000); /* a magnitude above: a NaN */
     for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *row = src + (r / inner) * ostride + (r % inner) * stride;
+        const uint32_t *row = ROW(src, r, inner, stride, ostride);
+        const uint32_t *next = r + 1 < rows ? ROW(src, r + 1, inner, stride, ostride) : row;
         uint16_t *was = old + r * cols;
         int64_t at = r * cols, c = 0;
         for (; c + 64 <= cols; c += 64) { /* two steps, then their NaN check */
-            prefetch(row + c + AHEAD, 256);
+            prefetch(AHEAD_OF(row, next, c, cols), 256);
             prefetch(was + c + AHEAD, 128);
             __m512i b0, b1, top = _mm512_setzero_si512();
             __mmask32 ne0 = step32(row + c, was + c, 0xFFFFFFFFu, &b0, &top);
