@@ -31,7 +31,7 @@ TESTS_RUN = (  # the longest first, so that the pool ends early
     "tests/unit/test_staging_cap.py",
     "tests/multiproc/test_colocated.py", "tests/unit/test_colocated_specs.py",
     "tests/unit/test_fp8_blocks.py", "tests/multiproc/test_collective_release.py",
-    "tests/unit/test_sparse_codec.py",
+    "tests/unit/test_sparse_codec.py", "tests/unit/test_checked_tensors.py",
 )
 
 _PURE = "pure Python (no tensor on a device, nothing torch-version dependent); the CPU CI runs it"

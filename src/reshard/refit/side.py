@@ -47,7 +47,7 @@ import torch
 from reshard import planner
 from reshard.defaults import ALL_METHODS, COLOCATED, DEFAULT_REFIT_STAGING_BYTES, NO_VERSION
 from reshard.errors import ConfigError, ReshardError, TensorMismatchError, TransferError
-from reshard.executor import Executor, checksum_kind, local_problem
+from reshard.executor import CheckedTensors, Executor, checksum_kind
 from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.refit.amax import quantize_for_refit
@@ -131,6 +131,9 @@ class Side:
         """Plans and executors for a meeting (the first one or a reconnect)."""
         policy, budget_bytes, _ = self._options
         self.meeting, self.comm, self.rank = meeting, meeting.comm, meeting.rank
+        fp8 = meeting.fp8  # what each refit's tensors are checked against (_check)
+        self._checked = CheckedTensors(meeting.plan, meeting.rank, src_layouts=None
+                                       if fp8 is None else fp8.source_checks())
         # one collective before any executor is built: both sides must schedule the plan
         # alike (two ends of a message that disagree on its round or method pair the
         # wrong messages or wait forever), so they agree on the trainer's policy (a
@@ -216,9 +219,7 @@ class Side:
             raise TransferError(f"rank {self.rank}: the weight-update group is broken since a "
                                 "refit failed in the transport; call reconnect() first; "
                                 "nothing was moved")
-        fp8 = self.meeting.fp8
-        problem = local_problem(self.meeting.plan, self.rank, src, dst, src_layouts=None
-                                if fp8 is None else fp8.source_checks())
+        problem = self._checked.problem(src, dst)
         sparse = self.sparse_refits.view()
         try:
             views = self.comm.all_gather_object((self.rank, problem, proposed, self.version,
