@@ -58,7 +58,11 @@ MODELS = {  # hidden, intermediate, layers, heads, kv heads, head_dim, vocab, ti
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151936, True),
     "tiny": (256, 512, 4, 4, 2, 64, 4096, False),
+    # about Qwen3-30B-A3B's tensor count (48 layers of 128 experts: 18,770 tensors; it
+    # has 18,867) at tiny sizes (40 M elements): a refit's cost per tensor and region
+    "moe-tensors": (64, 32, 48, 2, 1, 64, 4096, True),
 }
+EXPERTS = {"moe-tensors": 128}
 JOBS = dict(host="127.0.0.1", trainer_size=2, inference_size=2)
 
 
@@ -74,11 +78,17 @@ def tensors(model: str, layers: int | None) -> dict[str, tuple[tuple[int, ...], 
         out.update({p + "self_attn.q_proj.weight": ((heads * hd, h), "rows"),
                     p + "self_attn.k_proj.weight": ((kv * hd, h), "rows"),
                     p + "self_attn.v_proj.weight": ((kv * hd, h), "rows"),
-                    p + "self_attn.o_proj.weight": ((h, heads * hd), "cols"),
-                    p + "mlp.gate_proj.weight": ((inter, h), "rows"),
-                    p + "mlp.up_proj.weight": ((inter, h), "rows"),
-                    p + "mlp.down_proj.weight": ((h, inter), "cols"),
-                    p + "input_layernorm.weight": ((h,), "whole"),
+                    p + "self_attn.o_proj.weight": ((h, heads * hd), "cols")})
+        experts = EXPERTS.get(model)
+        mlps = [p + "mlp."] if experts is None else [p + f"mlp.experts.{e}."
+                                                      for e in range(experts)]
+        if experts is not None:
+            out[p + "mlp.gate.weight"] = ((experts, h), "whole")  # the router
+        for q in mlps:
+            out.update({q + "gate_proj.weight": ((inter, h), "rows"),
+                        q + "up_proj.weight": ((inter, h), "rows"),
+                        q + "down_proj.weight": ((h, inter), "cols")})
+        out.update({p + "input_layernorm.weight": ((h,), "whole"),
                     p + "post_attention_layernorm.weight": ((h,), "whole")})
     return out
 

@@ -17,6 +17,7 @@ next port. Every process writes ``DIR/<role><rank>-<pid>.json`` when it ends.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -107,10 +108,11 @@ def trainer(rank: int, a) -> None:
         t0 = time.time()
         try:
             stats = sender.refit(step)
-            _log(log, path, kind="refit", step=step, ok=True, version=stats.version)
+            _log(log, path, kind="refit", step=step, ok=True, version=stats.version,
+                 gc=gc.isenabled())
         except R.TransferError as e:
             _log(log, path, kind="refit", step=step, ok=False, started=t0,
-                 error=str(e)[:300], broken=sender.broken)
+                 error=str(e)[:300], broken=sender.broken, gc=gc.isenabled())
             if role == "trainer":  # a trainer rank died: this trainer job is torn down
                 break
 
@@ -145,10 +147,12 @@ def inference(rank: int, a) -> None:
             kept = receiver.version == previous and all(
                 matches(layouts[n], rank, t, salt=previous) for n, t in targets.items())
             _log(log, path, kind="refit", ok=False, started=t0, version=receiver.version,
-                 kept_previous=kept, error=str(e)[:300], broken=receiver.broken)
+                 kept_previous=kept, error=str(e)[:300], broken=receiver.broken,
+                 gc=gc.isenabled())
             continue
         exact = all(matches(layouts[n], rank, t, salt=stats.version) for n, t in targets.items())
-        _log(log, path, kind="refit", ok=True, version=stats.version, exact=exact)
+        _log(log, path, kind="refit", ok=True, version=stats.version, exact=exact,
+             gc=gc.isenabled())
 
 
 def main() -> None:

@@ -95,7 +95,11 @@ class Jobs:
 
 
 def _refits(log: list[dict]) -> list[dict]:
-    return [e for e in log if e["kind"] == "refit"]
+    """The log's refits; every one, passed or failed, left Python's collector on (a refit
+    pauses it while it runs)."""
+    refits = [e for e in log if e["kind"] == "refit"]
+    assert all(e["gc"] for e in refits), refits
+    return refits
 
 
 def _seconds_to_error(entry: dict, killed_at: float) -> float:

@@ -123,19 +123,36 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+_GEOMETRY: dict[tuple, tuple[int, int, int, int, int] | None] = {}
+_GEOMETRIES_KEPT = 1 << 14  # distinct (shape, strides) remembered; a model has a few hundred
+
+
 def _rows(src: torch.Tensor) -> tuple[int, int, int, int, int] | None:
     """``src`` as rows of contiguous elements: (rows, cols, row stride, inner, outer
     stride), row ``r`` starting at ``(r // inner) * outer stride + (r % inner) * row
     stride`` (rows at one stride, in groups at another: any slice of a row-major
     tensor's rows or columns, or of a 3-D tensor's middle dimension); None when it is not
-    (a column of a transposed tensor, a slice gappy at more levels)."""
-    if src.dim() == 0 or src.numel() == 0:
-        return 1, src.numel(), 0, 1, 0
-    cols = src.shape[-1]
-    if src.stride(-1) != 1 and cols != 1:
+    (a column of a transposed tensor, a slice gappy at more levels). Worked out once per
+    shape and strides (a refit asks it of every region, every time)."""
+    key = (src.shape, src.stride())
+    got = _GEOMETRY.get(key, key)
+    if got is key:
+        if len(_GEOMETRY) >= _GEOMETRIES_KEPT:
+            _GEOMETRY.clear()
+        got = _GEOMETRY[key] = _rows_of(*key)
+    return got
+
+
+def _rows_of(shape: torch.Size, strides: tuple[int, ...]
+             ) -> tuple[int, int, int, int, int] | None:
+    numel = shape.numel()
+    if len(shape) == 0 or numel == 0:
+        return 1, numel, 0, 1, 0
+    cols = shape[-1]
+    if strides[-1] != 1 and cols != 1:
         return None
     levels: list[list[int]] = []  # [size, stride], innermost first, merged where they can
-    for size, st in zip(reversed(src.shape[:-1]), reversed(src.stride()[:-1])):
+    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
         if size == 1:
             continue
         if levels and st == levels[-1][1] * levels[-1][0]:

@@ -49,7 +49,7 @@ from reshard.defaults import ALL_METHODS, COLOCATED, DEFAULT_REFIT_STAGING_BYTES
 from reshard.errors import ConfigError, ReshardError, TensorMismatchError, TransferError
 from reshard.executor import CheckedTensors, Executor, checksum_kind
 from reshard.layout import Layout
-from reshard.planner import Plan
+from reshard.planner import Plan, gc_paused
 from reshard.refit.amax import quantize_for_refit
 from reshard.refit.rendezvous import Meeting, meet
 from reshard.refit.sparse import SPARSE_METHODS, SparseRefits, SparseStats
@@ -250,10 +250,22 @@ class Side:
         """One version: check, transfer, then (``ready``, on a receiver whose part
         arrived whole: its own last step before it confirms, such as preparing the new
         version beside the live one; raising fails the version on every rank) the
-        agreement."""
+        agreement. Once every rank has come (the check's collective), Python's cyclic
+        collector is paused until the agreement (as for planning): a refit makes a few
+        small objects per region and no cycles, and each automatic collection would
+        traverse everything alive (the plan, its hops, the caller's model); with 50,000
+        regions (a MoE of Qwen3-30B-A3B's tensor count) those collections took more than
+        half of a sparse refit. Not while waiting for the peers: a served engine may
+        wait long for its trainer."""
         t0 = time.perf_counter()
         deadline = self._deadline()
         version = self._check(src, dst, proposed, deadline)
+        with gc_paused():
+            return self._moved(src, dst, version, deadline, ready, t0)
+
+    def _moved(self, src, dst, version: int, deadline: float | None,
+               ready: Callable[[], None] | None, t0: float) -> RefitStats:
+        """:meth:`_move` once checked: quantize (FP8), transfer, ready, agree, commit."""
         error: BaseException | None = None
         t_quant = time.perf_counter()
         try:
