@@ -77,6 +77,20 @@ def test_choices_at_the_corners():
     assert codec.cheapest(1000, 3, 2, sparse=False) == codec.DENSE
 
 
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_the_cheapest_is_the_first_of_the_fewest_bytes_dense_first(itemsize):
+    """Fewest payload bytes; on a tie dense, then offsets16, offsets32, bitmap (the rule
+    both sides and the simulator count with), over sizes around every boundary."""
+    order = (codec.DENSE, codec.OFFSETS16, codec.OFFSETS32, codec.BITMAP)
+    for n in [0, 1, 7, 8, 9, 63, 64, 1000, 65535, 65536, 65537, 1 << 20]:
+        for m in sorted({0, 1, 2, 3, n // 64, n // 33, n // 32, n // 16, n // 8, n // 5,
+                         n // 2, n - 1, n} - {-1}):
+            kinds = [k for k in order if k != codec.OFFSETS16 or n <= 65536]
+            want = min(kinds, key=lambda k: (codec.payload_nbytes(k, n, m, itemsize),
+                                             kinds.index(k)))
+            assert codec.cheapest(n, m, itemsize) == want, (n, m)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_apply_writes_a_strided_region_in_place(transpose):
     base = torch.zeros(8, 10)

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["apply", "apply_many", "compiler", "diff", "diff_many", "library", "supports"]
+__all__ = ["apply", "apply_many", "compiler", "diff", "diff_many", "diff_row_at", "diff_rows",
+           "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -209,9 +210,15 @@ def diff_many(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     pos, bits)``, each as :func:`diff` takes them; each one's count, as :func:`diff`
     returns it. The caller's Python then runs once a batch, not between passes over
     memory."""
-    desc = np.array([_diff_row(*job) for job in jobs], dtype=np.int64).reshape(-1, 12)
-    out = np.empty(len(jobs), dtype=np.int64)
-    library().reshard_diff_many(desc.ctypes.data, len(jobs), out.ctypes.data)
+    return diff_rows([_diff_row(*job) for job in jobs])
+
+
+def diff_rows(rows: list[tuple[int, ...]]) -> list[int]:
+    """:func:`diff_many` of regions already given as ``reshard_diff_many`` reads them
+    (:func:`diff_row_at`)."""
+    desc = np.array(rows, dtype=np.int64).reshape(-1, 12)
+    out = np.empty(len(rows), dtype=np.int64)
+    library().reshard_diff_many(desc.ctypes.data, len(rows), out.ctypes.data)
     return out.tolist()
 
 
@@ -222,9 +229,18 @@ def _diff_row(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: t
     n = old.numel()
     assert values.numel() >= n and values.dtype == old.dtype and pos.dtype == torch.int32
     assert bits is None or (bits.numel() >= (n + 7) // 8 and bits.dtype == torch.uint8)
+    return diff_row_at(src, old, values.data_ptr(), pos.data_ptr(), pos.numel(),
+                       0 if bits is None else bits.data_ptr())
+
+
+def diff_row_at(src: torch.Tensor, old: torch.Tensor, values: int, pos: int, cap: int,
+                bits: int) -> tuple[int, ...]:
+    """One region as ``reshard_diff_many`` reads it, its buffers given by address (the
+    caller's: room for ``old.numel()`` values of its dtype at ``values``, ``cap`` int32
+    at ``pos``, a bit an element at ``bits`` or 0), as a batch's buffers are cut up
+    without a tensor a region."""
     return (0 if src.dtype != old.dtype else old.element_size(), src.data_ptr(), *_rows(src),
-            old.data_ptr(), values.data_ptr(), pos.data_ptr(), pos.numel(),
-            0 if bits is None else bits.data_ptr())
+            old.data_ptr(), values, pos, cap, bits)
 
 
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,

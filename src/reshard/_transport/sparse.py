@@ -45,12 +45,20 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
+_SPARSE_SMALL = (OFFSETS16, OFFSETS32, BITMAP)  # in the order a tie goes to (dense first)
+_SPARSE_LARGE = (OFFSETS32, BITMAP)  # over 65,536 elements: no 16-bit offsets
+
+
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
 def _index_nbytes(kind: int, n: int, m: int) -> int:
-    return {DENSE: 0, BITMAP: -(-n // 8), OFFSETS32: 4 * m, OFFSETS16: 2 * m}[kind]
+    if kind == OFFSETS16:
+        return 2 * m
+    if kind == OFFSETS32:
+        return 4 * m
+    return -(-n // 8) if kind == BITMAP else 0
 
 
 def payload_nbytes(kind: int, n: int, m: int, itemsize: int) -> int:
@@ -67,9 +75,12 @@ def cheapest(n: int, m: int, itemsize: int, *, sparse: bool = True) -> int:
     ``sparse``)."""
     if not sparse:
         return DENSE
-    kinds = [DENSE, OFFSETS16, OFFSETS32, BITMAP] if n <= 1 << 16 else [DENSE, OFFSETS32,
-                                                                         BITMAP]
-    return min(kinds, key=lambda k: (payload_nbytes(k, n, m, itemsize), k != DENSE))
+    best, fewest = DENSE, n * itemsize  # the first of the fewest, dense first
+    for kind in _SPARSE_SMALL if n <= 1 << 16 else _SPARSE_LARGE:
+        nbytes = payload_nbytes(kind, n, m, itemsize)
+        if nbytes < fewest:
+            best, fewest = kind, nbytes
+    return best
 
 
 @dataclass
@@ -168,17 +179,22 @@ def encode_fused_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[En
     (only the pages the changes are written to are touched), and the encodings keep
     views of them rather than copies."""
     sizes = [old.numel() for _, old in pairs]
-    values = torch.empty(sum(-(-n // 32) * 32 for n in sizes), dtype=pairs[0][1].dtype)
+    dtype = pairs[0][1].dtype
+    values = torch.empty(sum(-(-n // 32) * 32 for n in sizes), dtype=dtype)
     pos = torch.empty(sum(_cap(n) for n in sizes), dtype=torch.int32)
     bits = torch.empty(sum((n + 7) // 8 + 8 for n in sizes), dtype=torch.uint8)
-    jobs, v, p, b = [], 0, 0, 0
+    width = values.element_size()
+    at_v, at_p, at_b = values.data_ptr(), pos.data_ptr(), bits.data_ptr()
+    rows, starts, v, p, b = [], [], 0, 0, 0  # a region's share of each buffer, by address
     for (src, old), n in zip(pairs, sizes):
-        assert old.dtype == values.dtype, (old.dtype, values.dtype)  # the caller groups them
-        jobs.append((src, old, values[v:v + n], pos[p:p + _cap(n)], bits[b:b + (n + 7) // 8]))
+        assert old.dtype == dtype, (old.dtype, dtype)  # the caller groups them
+        rows.append(native.diff_row_at(src, old, at_v + v * width, at_p + 4 * p, _cap(n),
+                                       at_b + b))
+        starts.append((v, p, b))
         v, p, b = v + -(-n // 32) * 32, p + _cap(n), b + (n + 7) // 8 + 8
-    counts = native.diff_many(jobs)
-    return [_fused(src, old, m, vals, at, bit, owned=True)
-            for (src, old, vals, at, bit), m in zip(jobs, counts)]
+    counts = native.diff_rows(rows)
+    return [_fused(src, old, m, values, pos, bits, owned=True, at=start)
+            for (src, old), m, start in zip(pairs, counts, starts)]
 
 
 def _cap(n: int) -> int:
@@ -188,10 +204,12 @@ def _cap(n: int) -> int:
 
 
 def _fused(src: torch.Tensor, old: torch.Tensor, m: int, values: torch.Tensor,
-           pos: torch.Tensor, bits: torch.Tensor, *, owned: bool) -> Encoded:
-    """A fused pass's outcome (its count ``m``, ``values``, ``pos``, ``bits``) as an
-    encoding; ``owned``: the buffers are the encoding's to keep (else scratch, copied)."""
-    n, itemsize, cap = old.numel(), old.element_size(), _cap(old.numel())
+           pos: torch.Tensor, bits: torch.Tensor, *, owned: bool,
+           at: tuple[int, int, int] = (0, 0, 0)) -> Encoded:
+    """A fused pass's outcome (its count ``m``, ``values``, ``pos``, ``bits``, the region's
+    from ``at`` in each: a batch's buffers are cut only where an encoding keeps them) as
+    an encoding; ``owned``: the buffers are the encoding's to keep (else scratch, copied)."""
+    n, itemsize = old.numel(), old.element_size()
     if m < 0:  # a NaN: torch's own cast (its NaN differs between its loops), sent whole
         old.view(src.shape).copy_(src)
         return Encoded(DENSE, n, n * itemsize, [_bytes(old)], None, old)
@@ -200,18 +218,19 @@ def _fused(src: torch.Tensor, old: torch.Tensor, m: int, values: torch.Tensor,
         return Encoded(DENSE, m, n * itemsize, [_bytes(old)], None, old)
     if m == 0:
         return Encoded(kind, 0, 0, [], torch.empty(0, dtype=torch.int64), old[:0])
-    values = values[:m] if owned else values[:m].clone()
-    if kind == BITMAP and m > cap:  # the pass set every change's bit
-        head = bits[:(n + 7) // 8] if owned else bits[:(n + 7) // 8].clone()
+    v, p, b = at
+    values = values[v:v + m] if owned else values[:m].clone()
+    if kind == BITMAP and m > _cap(n):  # the pass set every change's bit
+        head = bits[b:b + (n + 7) // 8] if owned else bits[:(n + 7) // 8].clone()
     elif kind == BITMAP:  # a few too many for offsets: the bits from the positions
         mask = np.zeros(n, dtype=np.bool_)
-        mask[pos[:m].numpy()] = True
+        mask[pos[p:p + m].numpy()] = True
         head = torch.from_numpy(np.packbits(mask, bitorder="little"))
     elif owned and kind == OFFSETS32:  # the positions as they are
-        head = _bytes(pos[:m])
+        head = _bytes(pos[p:p + m])
     else:
-        assert m <= cap, (m, cap, n)
-        head = _offsets(pos[:m].numpy(), kind)  # a copy, in the offsets' width
+        assert m <= _cap(n), (m, _cap(n), n)
+        head = _offsets(pos[p:p + m].numpy(), kind)  # a copy, in the offsets' width
     return Encoded(kind, m, payload_nbytes(kind, n, m, itemsize), [head, _bytes(values)],
                    None, values)
 
