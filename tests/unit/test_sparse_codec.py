@@ -77,6 +77,37 @@ def test_choices_at_the_corners():
     assert codec.cheapest(1000, 3, 2, sparse=False) == codec.DENSE
 
 
+def test_payloads_laid_in_one_call_as_one_at_a_time():
+    """write_payloads (every part of a body in one native call on the host) lays each
+    encoding where write_payload lays it alone: every kind, an empty one, a part whose
+    bytes are not laid flat (copied by torch)."""
+    g = torch.Generator().manual_seed(5)
+    encs = []
+    for n, frac, kind in [(1000, 0.01, codec.OFFSETS16), (300, 0.2, codec.OFFSETS32),
+                          (4096, 0.3, codec.BITMAP), (77, 1.0, codec.DENSE),
+                          (500, 0.0, None), (1 << 17, 0.001, None)]:
+        old = torch.randn(n, generator=g).to(torch.bfloat16)
+        new = old.clone()
+        hit = torch.rand(n, generator=g) < frac
+        new[hit] = torch.randn(int(hit.sum()), generator=g).to(torch.bfloat16)
+        encs.append(_roundtrip(new, old, None if kind == codec.DENSE else kind)[0])
+    odd = encs[1]
+    strided = torch.stack([odd.parts[0], odd.parts[0]], 1)[:, 0]  # the same bytes, strided
+    assert not strided.is_contiguous()
+    encs.append(codec.Encoded(odd.kind, odd.count, odd.nbytes, [strided, odd.parts[1]],
+                              odd.index, odd.values))
+    offsets, pos = [], 0
+    for enc in encs:
+        pos = -(-pos // 8) * 8
+        offsets.append(pos)
+        pos += enc.nbytes
+    alone, many = torch.zeros(pos, dtype=torch.uint8), torch.zeros(pos, dtype=torch.uint8)
+    for enc, off in zip(encs, offsets):
+        codec.write_payload(enc, alone[off:off + enc.nbytes])
+    codec.write_payloads(encs, offsets, many)
+    assert torch.equal(alone, many) and bool(alone.any())
+
+
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_the_cheapest_is_the_first_of_the_fewest_bytes_dense_first(itemsize):
     """Fewest payload bytes; on a tie dense, then offsets16, offsets32, bitmap (the rule

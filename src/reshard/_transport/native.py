@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["apply", "apply_many", "compiler", "diff", "diff_many", "diff_row_at", "diff_rows",
-           "library", "supports"]
+__all__ = ["apply", "apply_many", "compiler", "copy_many", "diff", "diff_many", "diff_row_at",
+           "diff_rows", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -101,6 +101,8 @@ def _build() -> ctypes.CDLL | None:
     for name in ("reshard_diff_many", "reshard_apply_many"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [_PTR, _INT, _PTR]
+    lib.reshard_copy_many.restype = None
+    lib.reshard_copy_many.argtypes = [_PTR, _INT]
     for name in _APPLY.values():
         fn = getattr(lib, name)
         fn.restype = _INT
@@ -241,6 +243,14 @@ def diff_row_at(src: torch.Tensor, old: torch.Tensor, values: int, pos: int, cap
     without a tensor a region."""
     return (0 if src.dtype != old.dtype else old.element_size(), src.data_ptr(), *_rows(src),
             old.data_ptr(), values, pos, cap, bits)
+
+
+def copy_many(rows: list[tuple[int, int, int]]) -> None:
+    """``(to, from, bytes)`` copies, by address, in one native call (host memory only;
+    the caller keeps both ends alive)."""
+    if rows:
+        desc = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        library().reshard_copy_many(desc.ctypes.data, len(rows))
 
 
 def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,

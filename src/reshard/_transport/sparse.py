@@ -290,6 +290,28 @@ def _set_bits(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+def write_payloads(encs: list[Encoded], offsets: list[int], body: torch.Tensor) -> None:
+    """:func:`write_payload` of each ``encs[i]`` at ``body[offsets[i]:]``: on the host, every
+    part in one native call."""
+    if body.device.type != "cpu" or native.library() is None:
+        for enc, off in zip(encs, offsets):
+            write_payload(enc, body[off:off + enc.nbytes])
+        return
+    assert body.is_contiguous() and body.dtype == torch.uint8
+    base, rows = body.data_ptr(), []
+    for enc, off in zip(encs, offsets):
+        pos = 0
+        for part in enc.parts:
+            pos = _aligned(pos)
+            if part.dtype == torch.uint8 and part.is_contiguous() and part.device == body.device:
+                rows.append((base + off + pos, part.data_ptr(), part.numel()))
+            else:  # not bytes laid flat: torch's copy
+                body[off + pos:off + pos + part.numel()].copy_(part)
+            pos += part.numel()
+        assert pos <= enc.nbytes, (pos, enc.nbytes)
+    native.copy_many(rows)
+
+
 def write_payload(enc: Encoded, out: torch.Tensor) -> None:
     """Lay ``enc``'s parts into ``out`` (uint8, ``enc.nbytes`` long)."""
     if enc.nbytes == 0:  # nothing changed: no payload

@@ -495,8 +495,7 @@ class SparseRunner:
             offsets.append(pos)
             pos += enc.nbytes
         body = torch.empty(pos, dtype=torch.uint8, device=device)
-        for enc, off in zip(inline, offsets):
-            codec.write_payload(enc, body[off:off + enc.nbytes])
+        codec.write_payloads(inline, offsets, body)
         parts = ([body] if pos else []) + [e.parts[0] for e in encs if _alone(e.kind, e.nbytes)]
         items = [x for enc in encs for x in (enc.kind, enc.count)]
         head = torch.zeros(_head_len(units), dtype=torch.int64, device=device)
