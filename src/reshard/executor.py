@@ -27,8 +27,8 @@ from reshard.layout import Layout
 from reshard.planner import Plan
 from reshard.schedule import Schedule, flat_schedule
 
-__all__ = ["Copies", "Executor", "RunStats", "SparseStats", "checksum_kind", "execute",
-           "local_problem", "CheckedTensors"]
+__all__ = ["CheckedTensors", "Copies", "Executor", "RunStats", "SparseStats", "checksum_kind",
+           "execute", "local_problem"]
 
 
 class Executor:

@@ -446,3 +446,55 @@ def test_the_native_apply_writes_every_encoding_as_numpy_does(rows, cols, frac, 
         if enc.count:  # one changed element fewer than the header says: caught
             assert not codec.decode_into(got, kind, n, enc.count + 1, torch.cat(
                 [body, torch.zeros(16, dtype=torch.uint8)])) or kind != codec.BITMAP
+
+
+@pytest.mark.parametrize("bad", [("kind", 9), ("count", -1), ("count", 10**9)])
+def test_a_header_no_sender_writes_fails_the_receivers_not_the_process(bad):
+    """The real sparse transport on thread ranks (2 float32 senders, 2 bfloat16
+    receivers): a step's header that says an encoding that does not exist, or a count
+    outside its region, is reported as corrupt by the receivers (their refit fails, to be
+    discarded), never decoded."""
+    import reshard as R
+    from reshard._transport.sparse_copies import Copies
+    from reshard._transport.sparse_runner import SparseRunner
+    from reshard.errors import TransferError
+    from reshard.executor import Executor
+
+    from ._inproc import run_ranks
+
+    src_l = R.Layout((64, 32), R.Mesh([0, 1]), [R.Shard(0)], dtype="float32")
+    dst_l = R.Layout((64, 32), R.Mesh([2, 3]), [R.Shard(1)], dtype="bfloat16")
+    plan = R.plan({"w": src_l}, {"w": dst_l}, allow_cast=True)
+    full = torch.randn(64, 32)
+    real = SparseRunner._encode
+
+    def tampered(self, *args, **kwargs):
+        head, parts, used = real(self, *args, **kwargs)
+        if self.base is not None:  # the sparse refit: its first region's header entry
+            head[3 if bad[0] == "kind" else 4] = bad[1]
+        return head, parts, used
+
+    def rank_fn(comm):
+        r = comm.rank
+        src = {"w": src_l.shard(full, r).clone()} if r < 2 else {}
+        dst = {"w": torch.zeros(dst_l.local_shape(r), dtype=torch.bfloat16)} if r >= 2 else {}
+        runner = Executor(plan, comm, method="p2p").sparse_runner(Copies())
+        runner.run(src, dst, sparse_to=set(), base=None)
+        runner.copies.commit(1)
+        if r < 2:
+            src["w"][::7] += 1.0
+        try:
+            runner.run(src, dst, sparse_to={2, 3}, base=1)
+        except TransferError as e:
+            return str(e)
+        return None
+
+    SparseRunner._encode = tampered
+    try:
+        results = run_ranks(4, rank_fn)
+    finally:
+        SparseRunner._encode = real
+    assert all(ok for ok, _ in results), results
+    assert [got for _, got in results][:2] == [None, None]  # the senders finish
+    for _, got in results[2:]:
+        assert got is not None and "a header no sender writes" in got, got

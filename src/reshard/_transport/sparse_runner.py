@@ -98,6 +98,8 @@ class SparseStats:
         self.changed += count
 
 
+_KINDS = frozenset(range(len(codec.ENCODINGS)))
+
 SMALL_DENSE = 64 << 10
 """A region sent dense travels in its round's body below this many bytes; from it up,
 as a message of its own, straight from the sender's copy into the receiver's region
@@ -559,6 +561,11 @@ class SparseRunner:
             kind, count = items[2 * j], items[2 * j + 1]
             dtype = self.dtypes[h.name]
             n = h.nbytes // dtype.itemsize
+            if kind not in _KINDS or not 0 <= count <= n:  # a header no sender writes
+                self.corrupt = self.corrupt or (
+                    f"the sparse message from rank {peer} in step {k} has a header no "
+                    f"sender writes (region {h.name}: encoding {kind}, {count} changed of {n})")
+                return
             size = codec.payload_nbytes(kind, n, count, dtype.itemsize)
             if _alone(kind, size):
                 if j in temps:
