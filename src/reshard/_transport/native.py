@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["apply", "apply_many", "compiler", "copy_many", "diff", "diff_many", "diff_row_at",
-           "diff_rows", "library", "supports"]
+__all__ = ["apply", "apply_many", "apply_row_at", "apply_rows", "compiler", "copy_many", "diff",
+           "diff_many", "diff_row_at", "diff_rows", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -275,12 +275,7 @@ def apply_many(jobs: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tens
     """:func:`apply` of many ``(region, kind, index, m, values)`` in one native call;
     None for those it does not run (the caller applies them in numpy)."""
     rows = [_apply_row(*job) for job in jobs]
-    ready = [r for r in rows if r is not None]
-    done = np.empty(len(ready), dtype=np.int64)
-    if ready:
-        desc = np.array(ready, dtype=np.int64)
-        library().reshard_apply_many(desc.ctypes.data, len(ready), done.ctypes.data)
-    it = iter(done.tolist())
+    it = iter(apply_rows([r for r in rows if r is not None]))
     return [None if r is None else next(it) for r in rows]
 
 
@@ -288,12 +283,30 @@ def _apply_row(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
                values: torch.Tensor) -> tuple[int, ...] | None:
     """:func:`apply`'s arguments, as ``reshard_apply_many`` reads a region (its element
     width first), or None where it does not run."""
-    if (region.device.type != "cpu" or region.element_size() not in _APPLY
-            or values.dtype != region.dtype or not values.is_contiguous()
+    if (values.dtype != region.dtype or not values.is_contiguous()
             or not index.is_contiguous()):
+        return None
+    return apply_row_at(region, kind, index.data_ptr(), m, values.data_ptr())
+
+
+def apply_row_at(region: torch.Tensor, kind: int, index: int, m: int, values: int
+                 ) -> tuple[int, ...] | None:
+    """One region as ``reshard_apply_many`` reads it, its index part and ``m`` values (of
+    the region's dtype) given by address (the caller's, in host memory, long enough), or
+    None where the native pass does not write this region."""
+    if region.device.type != "cpu" or region.element_size() not in _APPLY:
         return None
     shape = _rows(region)
     if shape is None or library() is None:
         return None
-    return (region.element_size(), region.data_ptr(), *shape, kind, index.data_ptr(), m,
-            values.data_ptr())
+    return (region.element_size(), region.data_ptr(), *shape, kind, index, m, values)
+
+
+def apply_rows(rows: list[tuple[int, ...]]) -> list[int]:
+    """:func:`apply_many` of regions already given as ``reshard_apply_many`` reads them
+    (:func:`apply_row_at`): each one's result, as :func:`apply` returns it."""
+    done = np.empty(len(rows), dtype=np.int64)
+    if rows:
+        desc = np.array(rows, dtype=np.int64)
+        library().reshard_apply_many(desc.ctypes.data, len(rows), done.ctypes.data)
+    return done.tolist()

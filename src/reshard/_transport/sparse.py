@@ -357,22 +357,27 @@ def decode_into_many(items: list[tuple[torch.Tensor, int, int, int, torch.Tensor
                      ) -> list[bool]:
     """:func:`decode_into` of many ``(region, kind, n, m, payload)``, the sparse payloads
     the native pass writes in one call (:func:`reshard._transport.native.apply_many`)."""
-    jobs, at = [], []
+    rows, at, ok = [], [], [True] * len(items)
     for j, (region, kind, n, m, payload) in enumerate(items):
-        if kind != DENSE and m:
-            head = _index_nbytes(kind, n, m)
-            start = _aligned(head)
-            values = payload[start:start + m * region.element_size()].view(region.dtype)
-            jobs.append((region, kind, payload[:head], m, values))
+        if kind == DENSE or not m or payload.device.type != "cpu" or not (
+                payload.is_contiguous() and payload.dtype == torch.uint8):
+            continue
+        start = _aligned(_index_nbytes(kind, n, m))
+        if payload.numel() < start + m * region.element_size():  # cut short: never read
+            ok[j] = False
+            continue
+        base = payload.data_ptr()  # the parts by address: no tensor cut a region
+        row = native.apply_row_at(region, kind, base, m, base + start)
+        if row is not None:
+            rows.append(row)
             at.append(j)
-    ok = [True] * len(items)
-    native_done = dict(zip(at, native.apply_many(jobs))) if jobs else {}
+    native_done = dict(zip(at, native.apply_rows(rows))) if rows else {}
     rest = {}  # the others, decoded (torch / numpy), applied once checked
     for j, (region, kind, n, m, payload) in enumerate(items):
         done = native_done.get(j)
         if done is not None:
             ok[j] = done == m
-        else:
+        elif ok[j]:
             rest[j] = decode(kind, n, m, payload, region.dtype)
     fits = _fit(rest, items)
     for j, (index, values) in rest.items():
