@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["apply", "apply_many", "apply_row_at", "apply_rows", "compiler", "copy_many", "diff",
-           "diff_many", "diff_row_at", "diff_rows", "library", "supports"]
+__all__ = ["apply_row_at", "apply_rows", "compiler", "copy_many", "diff", "diff_row_at",
+           "diff_rows", "library", "supports"]
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("diff.c")
@@ -43,7 +43,7 @@ _tried = False
 _INT = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _SAME = {1: "reshard_diff_u8", 2: "reshard_diff_u16", 4: "reshard_diff_u32"}
-_APPLY = {1: "reshard_apply_u8", 2: "reshard_apply_u16", 4: "reshard_apply_u32"}
+_APPLY_WIDTHS = (1, 2, 4)  # element bytes reshard_apply_many writes
 
 
 def _cache_dir() -> Path:
@@ -103,10 +103,6 @@ def _build() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [_PTR, _INT, _PTR]
     lib.reshard_copy_many.restype = None
     lib.reshard_copy_many.argtypes = [_PTR, _INT]
-    for name in _APPLY.values():
-        fn = getattr(lib, name)
-        fn.restype = _INT
-        fn.argtypes = [_PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_int, _PTR, _INT, _PTR]
     return lib
 
 
@@ -206,18 +202,10 @@ def diff(src: torch.Tensor, old: torch.Tensor, values: torch.Tensor, pos: torch.
     return getattr(library(), name)(*row[1:])
 
 
-def diff_many(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor]]) -> list[int]:
-    """:func:`diff` of many regions in one native call: ``jobs`` of ``(src, old, values,
-    pos, bits)``, each as :func:`diff` takes them; each one's count, as :func:`diff`
-    returns it. The caller's Python then runs once a batch, not between passes over
-    memory."""
-    return diff_rows([_diff_row(*job) for job in jobs])
-
-
 def diff_rows(rows: list[tuple[int, ...]]) -> list[int]:
-    """:func:`diff_many` of regions already given as ``reshard_diff_many`` reads them
-    (:func:`diff_row_at`)."""
+    """:func:`diff` of many regions in one native call, each given as
+    :func:`diff_row_at` makes it; each one's count, as :func:`diff` returns it. The
+    caller's Python then runs once a batch, not between passes over memory."""
     desc = np.array(rows, dtype=np.int64).reshape(-1, 12)
     out = np.empty(len(rows), dtype=np.int64)
     library().reshard_diff_many(desc.ctypes.data, len(rows), out.ctypes.data)
@@ -253,48 +241,17 @@ def copy_many(rows: list[tuple[int, int, int]]) -> None:
         library().reshard_copy_many(desc.ctypes.data, len(rows))
 
 
-def apply(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
-          values: torch.Tensor) -> int | None:
-    """Write a sparse region's ``m`` changed ``values`` into ``region`` in place (any
-    rows of contiguous elements that :func:`_rows` reads). ``kind`` is the codec's encoding
-    (:mod:`reshard._transport.sparse`): 1 (bitmap), ``index`` its bits (uint8); 2
-    (offsets32), int32 flat positions; 3 (offsets16), 16-bit ones. Returns how many
-    were written (a bitmap's set bits; -1 if a position lies outside the region or the
-    bitmap has more than ``m``), or None where this does not run (no kernels, another
-    element width, a region of other strides, not on the CPU): the caller applies it
-    in numpy."""
-    row = _apply_row(region, kind, index, m, values)
-    if row is None:
-        return None
-    fn = getattr(library(), _APPLY[row[0]])
-    return fn(*row[1:])
-
-
-def apply_many(jobs: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tensor]]
-               ) -> list[int | None]:
-    """:func:`apply` of many ``(region, kind, index, m, values)`` in one native call;
-    None for those it does not run (the caller applies them in numpy)."""
-    rows = [_apply_row(*job) for job in jobs]
-    it = iter(apply_rows([r for r in rows if r is not None]))
-    return [None if r is None else next(it) for r in rows]
-
-
-def _apply_row(region: torch.Tensor, kind: int, index: torch.Tensor, m: int,
-               values: torch.Tensor) -> tuple[int, ...] | None:
-    """:func:`apply`'s arguments, as ``reshard_apply_many`` reads a region (its element
-    width first), or None where it does not run."""
-    if (values.dtype != region.dtype or not values.is_contiguous()
-            or not index.is_contiguous()):
-        return None
-    return apply_row_at(region, kind, index.data_ptr(), m, values.data_ptr())
-
-
 def apply_row_at(region: torch.Tensor, kind: int, index: int, m: int, values: int
                  ) -> tuple[int, ...] | None:
-    """One region as ``reshard_apply_many`` reads it, its index part and ``m`` values (of
-    the region's dtype) given by address (the caller's, in host memory, long enough), or
-    None where the native pass does not write this region."""
-    if region.device.type != "cpu" or region.element_size() not in _APPLY:
+    """A sparse region's payload as ``reshard_apply_many`` writes it into ``region`` in
+    place (any rows of contiguous elements that :func:`_rows` reads): ``kind`` the
+    codec's encoding (:mod:`reshard._transport.sparse`): 1 (bitmap), the index part its
+    bits; 2 (offsets32), int32 flat positions; 3 (offsets16), 16-bit ones; the index part
+    and the ``m`` values (of the region's dtype) given by address (the caller's, in host
+    memory, long enough). None where the native pass does not write this region (no
+    kernels, another element width, a region of other strides, not on the CPU): the
+    caller applies it in torch / numpy."""
+    if region.device.type != "cpu" or region.element_size() not in _APPLY_WIDTHS:
         return None
     shape = _rows(region)
     if shape is None or library() is None:
@@ -303,8 +260,9 @@ def apply_row_at(region: torch.Tensor, kind: int, index: int, m: int, values: in
 
 
 def apply_rows(rows: list[tuple[int, ...]]) -> list[int]:
-    """:func:`apply_many` of regions already given as ``reshard_apply_many`` reads them
-    (:func:`apply_row_at`): each one's result, as :func:`apply` returns it."""
+    """Regions given as :func:`apply_row_at` makes them, written in one native call: each
+    one's count written (a bitmap's set bits), or -1 where a position lies outside its
+    region or its bitmap has more than ``m`` bits set."""
     done = np.empty(len(rows), dtype=np.int64)
     if rows:
         desc = np.array(rows, dtype=np.int64)

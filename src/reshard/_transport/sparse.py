@@ -347,7 +347,7 @@ def decode_into(region: torch.Tensor, kind: int, n: int, m: int, payload: torch.
                 ) -> bool:
     """:func:`decode` then :func:`apply` into ``region`` (a view, any strides; its dtype
     the payload's). On the host a sparse payload is written in one native pass
-    (:func:`reshard._transport.native.apply`) where the region is rows of contiguous
+    (:func:`reshard._transport.native.apply_row_at`) where the region is rows of contiguous
     elements; False if the payload does not fit its header (positions outside the
     region, more bits set than ``m``, or fewer): the region is then not to be trusted."""
     return decode_into_many([(region, kind, n, m, payload)])[0]
@@ -356,7 +356,7 @@ def decode_into(region: torch.Tensor, kind: int, n: int, m: int, payload: torch.
 def decode_into_many(items: list[tuple[torch.Tensor, int, int, int, torch.Tensor]]
                      ) -> list[bool]:
     """:func:`decode_into` of many ``(region, kind, n, m, payload)``, the sparse payloads
-    the native pass writes in one call (:func:`reshard._transport.native.apply_many`)."""
+    the native pass writes in one call (:func:`reshard._transport.native.apply_rows`)."""
     rows, at, ok = [], [], [True] * len(items)
     for j, (region, kind, n, m, payload) in enumerate(items):
         if kind == DENSE or not m or payload.device.type != "cpu" or not (
